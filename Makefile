@@ -1,0 +1,32 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   builds .venv and fine-tunes the built-in model on the CPU
+#   make test   builds .venv and runs the test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo lint venv clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: 2.13.0 is the CPU wheel on disk; an unpinned torch pulls a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check flowcredit tests benchmarks
+	$(VENV)/bin/ruff format --check flowcredit tests benchmarks
+
+demo: $(STAMP)
+	$(PY) -m flowcredit demo
+
+clean:
+	rm -rf $(VENV)

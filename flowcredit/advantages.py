@@ -1,0 +1,207 @@
+"""Credit assignment: advantages ``(B, N)`` from state values, never from models (SPEC §5).
+
+Inputs shared by every method:
+- ``values (B, N + 1)``: ``V_0 … V_N`` (``V_i`` = reward of the completion of state i, ``V_N`` = the
+  sampled image's reward). Entries a method does not need may be NaN.
+- ``group (B,)`` int64 prompt-group ids (never prompt strings).
+- ``trained (N,)`` bool: which steps are trained; every other step gets advantage 0.
+
+Step reward ``d_i = V_{i+1} − V_i``. Group statistics: ``(x − mean)/(std + eps)`` with the population
+std (ddof = 0); a group whose entries are all equal gives exactly 0. Advantages are clipped to
+``±adv_clip``.
+
+Methods (``ADVANTAGES``):
+1. ``flow_grpo`` (Liu et al. 2025): the z-scored terminal reward on every trained step;
+   ``global_std=True`` takes the std over the whole batch (their default) with the group mean.
+2. ``dense`` (DenseGRPO, Deng et al. 2025): ``d_i`` z-scored per (group, step).
+3. ``stepwise`` (Stepwise-Flow-GRPO): ``d_i`` z-scored jointly over all (member, trained step) pairs of
+   the group.
+4. ``turning_point`` (TP-GRPO): ``d_i``, replaced at turning points by ``V_N − V_i``, balanced, then
+   z-scored per (group, step). See :func:`turning_points`.
+
+Deviation (our choice, TP-GRPO is silent): in balancing, a turning point whose aggregated reward is
+exactly 0 belongs to neither sign and returns to ``d_i``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def _check(values: torch.Tensor, group: torch.Tensor, trained: torch.Tensor) -> None:
+    if values.ndim != 2:
+        raise ValueError(f"values must be (B, N + 1), got shape {tuple(values.shape)}")
+    b, n1 = values.shape
+    if group.shape != (b,):
+        raise ValueError(f"group must be ({b},), got {tuple(group.shape)}")
+    if trained.shape != (n1 - 1,) or trained.dtype != torch.bool:
+        raise ValueError(
+            f"trained must be a bool tensor of shape ({n1 - 1},), got {trained.dtype} {tuple(trained.shape)}"
+        )
+
+
+def step_rewards(values: torch.Tensor) -> torch.Tensor:
+    """``d_i = V_{i+1} − V_i``: ``(B, N + 1) -> (B, N)``."""
+    return values[:, 1:] - values[:, :-1]
+
+
+def group_zscore(
+    x: torch.Tensor, group: torch.Tensor, mask: torch.Tensor, eps: float, per_column: bool = True
+) -> torch.Tensor:
+    """Z-score of the entries of ``x (B, N)`` selected by ``mask (B, N)`` within each group.
+
+    ``per_column=True`` normalises each (group, column) separately; ``False`` pools all masked
+    entries of a group. Population std; groups whose selected entries are all equal give 0.
+    Unselected entries are 0 in the output.
+    """
+    out = torch.zeros_like(x, dtype=torch.float32)
+    x = torch.where(mask, x.float(), torch.zeros_like(x, dtype=torch.float32))
+    for g in torch.unique(group):
+        rows = group == g
+        xs, ms = x[rows], mask[rows]  # (G, N)
+        dims = (0,) if per_column else (0, 1)
+        count = ms.sum(dim=dims, keepdim=True).clamp(min=1)
+        mean = xs.sum(dim=dims, keepdim=True) / count
+        centred = torch.where(ms, xs - mean, torch.zeros_like(xs))
+        std = torch.sqrt((centred**2).sum(dim=dims, keepdim=True) / count)
+        big = torch.where(ms, xs, torch.full_like(xs, -float("inf"))).amax(dim=dims, keepdim=True)
+        small = torch.where(ms, xs, torch.full_like(xs, float("inf"))).amin(dim=dims, keepdim=True)
+        z = torch.where(big > small, centred / (std + eps), torch.zeros_like(centred))
+        out[rows] = torch.where(ms, z, torch.zeros_like(z))
+    return out
+
+
+def _broadcast_trained(trained: torch.Tensor, b: int) -> torch.Tensor:
+    return trained.view(1, -1).expand(b, -1)
+
+
+def flow_grpo(values, group, trained, *, eps=1e-4, adv_clip=5.0, global_std=False, **_unused):
+    """Flow-GRPO: ``A_b = (V_N − mean_g)/(std + eps)`` copied to every trained step.
+
+    ``global_std=True``: ``std`` over the whole batch instead of the group (group mean kept).
+    """
+    _check(values, group, trained)
+    final = values[:, -1:].float()  # (B, 1)
+    ones = torch.ones_like(final, dtype=torch.bool)
+    if global_std:
+        adv = torch.zeros_like(final)
+        std = final.std(unbiased=False)
+        for g in torch.unique(group):
+            rows = group == g
+            if final[rows].max() > final[rows].min():
+                adv[rows] = (final[rows] - final[rows].mean()) / (std + eps)
+    else:
+        adv = group_zscore(final, group, ones, eps)
+    adv = adv.clamp(-adv_clip, adv_clip) * _broadcast_trained(trained, values.shape[0])
+    return adv.float()
+
+
+def dense(values, group, trained, *, eps=1e-4, adv_clip=5.0, **_unused):
+    """DenseGRPO: ``A_{b,i}`` = z-score of ``d_{b,i}`` over the group at the same step i."""
+    _check(values, group, trained)
+    mask = _broadcast_trained(trained, values.shape[0])
+    return group_zscore(step_rewards(values), group, mask, eps).clamp(-adv_clip, adv_clip)
+
+
+def stepwise(values, group, trained, *, eps=1e-4, adv_clip=5.0, **_unused):
+    """Stepwise-Flow-GRPO: ``(d_{b,i} − m)/(s + eps)``, m and s over all (member, trained step) pairs."""
+    _check(values, group, trained)
+    mask = _broadcast_trained(trained, values.shape[0])
+    adv = group_zscore(step_rewards(values), group, mask, eps, per_column=False)
+    return adv.clamp(-adv_clip, adv_clip)
+
+
+def _window(trained: torch.Tensor) -> tuple[int, int]:
+    """First trained step w and window length K; the trained steps must be contiguous."""
+    idx = torch.nonzero(trained, as_tuple=True)[0]
+    if idx.numel() == 0:
+        raise ValueError("turning_point needs at least one trained step")
+    w, k = int(idx[0]), int(idx.numel())
+    if int(idx[-1]) != w + k - 1:
+        raise ValueError(f"turning_point needs a contiguous trained window, got steps {idx.tolist()}")
+    return w, k
+
+
+def turning_points(values, trained, constrained=True, first_step=True) -> torch.Tensor:
+    """TP-GRPO turning points ``(B, N)`` bool, before balancing.
+
+    With ``Δ = V_N − V_w`` and ``s_i = sign(d_i)·sign(Δ)`` over the window ``[w, w + K)``:
+    step ``i > w`` is a turning point iff ``s_{i−1} < 0`` and ``s_i > 0`` (and, if ``constrained``,
+    ``sign(d_i) = sign(V_N − V_{i+1}) ≠ 0``). With ``first_step``, step ``w`` is one iff
+    ``sign(d_w) = sign(V_N − V_{w+1}) ≠ 0`` (constrained) or ``s_w > 0`` (unconstrained).
+    """
+    w, k = _window(trained)
+    v = values.float()
+    d = step_rewards(v)  # (B, N)
+    final = v[:, -1:]
+    trend = torch.sign(final[:, 0] - v[:, w])  # (B,)
+    s = torch.sign(d) * trend[:, None]
+    consistent = (torch.sign(d) == torch.sign(final - v[:, 1:])) & (d != 0)  # (B, N)
+    tp = torch.zeros_like(d, dtype=torch.bool)
+    for i in range(w + 1, w + k):
+        tp[:, i] = (s[:, i - 1] < 0) & (s[:, i] > 0)
+        if constrained:
+            tp[:, i] &= consistent[:, i]
+    if first_step:
+        tp[:, w] = consistent[:, w] if constrained else s[:, w] > 0
+    return tp
+
+
+def balance_turning_points(tp: torch.Tensor, agg: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Balancing: per group, if both signs of ``agg`` occur among its turning points, keep the
+    ``min(#pos, #neg)`` largest-``|agg|`` of each sign; otherwise keep all. Zero ``agg`` is dropped."""
+    keep = tp & (agg != 0)
+    for g in torch.unique(group):
+        rows = torch.nonzero(group == g, as_tuple=True)[0]
+        sub_tp, sub_agg = keep[rows], agg[rows]
+        pos, neg = sub_tp & (sub_agg > 0), sub_tp & (sub_agg < 0)
+        n = min(int(pos.sum()), int(neg.sum()))
+        if n == 0:
+            continue
+        kept = torch.zeros_like(sub_tp)
+        for sign_mask in (pos, neg):
+            flat = torch.where(sign_mask, sub_agg.abs(), torch.full_like(sub_agg, -1.0)).flatten()
+            top = torch.topk(flat, n).indices
+            kept.view(-1)[top] = True
+        keep[rows] = kept
+    return keep
+
+
+def turning_point(
+    values,
+    group,
+    trained,
+    *,
+    eps=1e-4,
+    adv_clip=5.0,
+    constrained=True,
+    first_step=True,
+    balance="group",
+    **_unused,
+):
+    """TP-GRPO: ``d_i`` replaced by ``agg_i = V_N − V_i`` at (balanced) turning points, then
+    z-scored per (group, step). ``balance``: ``"group"`` (default) or ``"none"``."""
+    _check(values, group, trained)
+    if balance not in ("group", "none"):
+        raise ValueError(f"balance must be 'group' or 'none', got {balance!r}")
+    v = values.float()
+    d = step_rewards(v)
+    agg = v[:, -1:] - v[:, :-1]  # (B, N): V_N − V_i
+    tp = turning_points(v, trained, constrained=constrained, first_step=first_step)
+    if balance == "group":
+        tp = balance_turning_points(tp, agg, group)
+    rewards = torch.where(tp, agg, d)
+    mask = _broadcast_trained(trained, v.shape[0])
+    return group_zscore(rewards, group, mask, eps).clamp(-adv_clip, adv_clip)
+
+
+AdvantageFn = Callable[..., torch.Tensor]
+
+ADVANTAGES: dict[str, AdvantageFn] = {
+    "flow_grpo": flow_grpo,
+    "dense": dense,
+    "stepwise": stepwise,
+    "turning_point": turning_point,
+}
