@@ -1,0 +1,5 @@
+import sys
+
+from flowcredit.cli import main
+
+sys.exit(main())
