@@ -26,7 +26,7 @@ def _bcast(value: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return value.view(-1, *([1] * (x.ndim - 1)))
 
 
-def _lockstep(velocity: Velocity, x: torch.Tensor, grid: torch.Tensor, remaining: torch.Tensor):
+def _lockstep(velocity, x: torch.Tensor, grid: torch.Tensor, remaining: torch.Tensor, with_rows: bool):
     """Euler along per-row σ grids; row b takes ``remaining[b]`` steps ``grid[b, j] → grid[b, j + 1]``.
 
     Args:
@@ -39,7 +39,7 @@ def _lockstep(velocity: Velocity, x: torch.Tensor, grid: torch.Tensor, remaining
         live = torch.nonzero(remaining > j, as_tuple=True)[0]  # rows still running
         sigma, sigma_next = grid[live, j], grid[live, j + 1]
         x_live = out[live]
-        v = velocity(x_live, sigma).float()
+        v = (velocity(x_live, sigma, live) if with_rows else velocity(x_live, sigma)).float()
         out[live] = x_live + _bcast(sigma_next - sigma, x_live) * v
     return out
 
@@ -52,6 +52,8 @@ def complete(
     start: torch.Tensor,
     estimator: str = "ode_remaining",
     substeps: int = 5,
+    *,
+    with_rows: bool = False,
 ) -> torch.Tensor:
     """Clean estimate ``Φ(x_start)`` of each row, batched in lock-step.
 
@@ -62,6 +64,8 @@ def complete(
         start: ``(B,)`` int64 state indices in ``[0, N]``; a row with ``start = N`` is returned as is.
         estimator: ``"ode_remaining"`` or ``"euler"``.
         substeps: k for ``"euler"``.
+        with_rows: call ``velocity(x, sigma, rows)`` with ``rows (b,)`` the indices of the live rows
+            in the input batch (so a conditional model can pick each row's prompt encoding).
     Returns:
         ``(B, …)`` float32 clean estimates.
     """
@@ -75,12 +79,12 @@ def complete(
     x = x.float()
     if estimator == "ode_remaining":
         idx = (start[:, None] + torch.arange(n + 1, device=x.device)[None, :]).clamp(max=n)  # (B, N + 1)
-        return _lockstep(velocity, x, sigmas[idx], n - start)
+        return _lockstep(velocity, x, sigmas[idx], n - start, with_rows)
     if estimator == "euler":
         if substeps < 1:
             raise ValueError(f"substeps must be >= 1, got {substeps}")
         frac = torch.linspace(1.0, 0.0, substeps + 1, device=x.device)
         grid = sigmas[start][:, None] * frac[None, :]  # (B, k + 1)
         remaining = torch.where(start < n, substeps, 0)
-        return _lockstep(velocity, x, grid, remaining)
+        return _lockstep(velocity, x, grid, remaining, with_rows)
     raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}")

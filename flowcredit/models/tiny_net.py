@@ -53,8 +53,15 @@ class TextBlock(nn.Module):
 class TextEncoder(nn.Module):
     """Token ids to per-token features ``(B, L, dim)`` and a pooled vector ``(B, pooled_dim)``."""
 
-    def __init__(self, vocab_size: int, max_len: int, dim: int = 64, layers: int = 2, heads: int = 4,
-                 pooled_dim: int = 128):
+    def __init__(
+        self,
+        vocab_size: int,
+        max_len: int,
+        dim: int = 64,
+        layers: int = 2,
+        heads: int = 4,
+        pooled_dim: int = 128,
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab_size, dim)
         self.pos = nn.Parameter(torch.randn(max_len, dim) * 0.02)
@@ -120,8 +127,15 @@ class ImageTextAttention(nn.Module):
 class UNet(nn.Module):
     """Conv U-Net velocity network conditioned on σ, pooled text (FiLM) and text tokens (attention)."""
 
-    def __init__(self, channels: int = 32, mults: tuple[int, ...] = (1, 2, 2), text_dim: int = 64,
-                 pooled_dim: int = 128, emb_dim: int = 128, in_ch: int = 3):
+    def __init__(
+        self,
+        channels: int = 32,
+        mults: tuple[int, ...] = (1, 2, 2),
+        text_dim: int = 64,
+        pooled_dim: int = 128,
+        emb_dim: int = 128,
+        in_ch: int = 3,
+    ):
         super().__init__()
         chs = [channels * m for m in mults]
         self.time_mlp = nn.Sequential(nn.Linear(emb_dim, emb_dim), nn.SiLU(), nn.Linear(emb_dim, emb_dim))
@@ -136,22 +150,30 @@ class UNet(nn.Module):
             if i < len(chs) - 1:
                 self.downsample.append(nn.Conv2d(ch, ch, 3, stride=2, padding=1))
             prev = ch
+        self.mid1 = ResBlock(prev, prev, emb_dim)
         self.mid_attn = ImageTextAttention(prev, text_dim)
-        self.mid = ResBlock(prev, prev, emb_dim)
+        self.mid2 = ResBlock(prev, prev, emb_dim)
         self.up = nn.ModuleList()
         self.upsample = nn.ModuleList()
         for i, ch in reversed(list(enumerate(chs))):
             self.up.append(ResBlock(prev + ch, ch, emb_dim))
-            if i > 0:
-                self.upsample.append(nn.Conv2d(ch, ch, 3, padding=1))
             prev = ch
+            if i > 0:  # the conv after nearest upsampling also narrows to the next level's width
+                self.upsample.append(nn.Conv2d(ch, chs[i - 1], 3, padding=1))
+                prev = chs[i - 1]
         self.out_norm = nn.GroupNorm(8, prev)
         self.out = nn.Conv2d(prev, in_ch, 3, padding=1)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
-                pooled: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        tokens: torch.Tensor,
+        mask: torch.Tensor,
+        pooled: torch.Tensor,
+    ) -> torch.Tensor:
         """``x (B, C, H, W)``, ``sigma (B,)``, ``tokens (B, L, Dt)``, ``mask (B, L)``, ``pooled (B, P)``
         → velocity ``(B, C, H, W)``."""
         emb = self.time_mlp(timestep_features(sigma, self.emb_dim)) + self.text_mlp(pooled)  # (B, E)
@@ -162,7 +184,7 @@ class UNet(nn.Module):
             skips.append(h)
             if i < len(self.downsample):
                 h = self.downsample[i](h)  # halves H, W
-        h = self.mid(self.mid_attn(h, tokens, mask), emb)  # (B, c_last, H/4, W/4)
+        h = self.mid2(self.mid_attn(self.mid1(h, emb), tokens, mask), emb)  # (B, c_last, H/4, W/4)
         for j, block in enumerate(self.up):
             h = block(torch.cat([h, skips.pop()], dim=1), emb)
             if j < len(self.upsample):
@@ -173,12 +195,26 @@ class UNet(nn.Module):
 class TinyNet(nn.Module):
     """All weights of the tiny model: ``text`` (TextEncoder) and ``unet`` (UNet)."""
 
-    def __init__(self, vocab_size: int, max_len: int, channels: int = 32, mults: tuple[int, ...] = (1, 2, 2),
-                 text_dim: int = 64, text_layers: int = 2, pooled_dim: int = 128):
+    def __init__(
+        self,
+        vocab_size: int,
+        max_len: int,
+        channels: int = 32,
+        mults: tuple[int, ...] = (1, 2, 2),
+        text_dim: int = 64,
+        text_layers: int = 2,
+        pooled_dim: int = 128,
+    ):
         super().__init__()
         self.text = TextEncoder(vocab_size, max_len, text_dim, text_layers, pooled_dim=pooled_dim)
         self.unet = UNet(channels, mults, text_dim, pooled_dim)
 
-    def forward(self, x: torch.Tensor, sigma: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
-                pooled: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        tokens: torch.Tensor,
+        mask: torch.Tensor,
+        pooled: torch.Tensor,
+    ) -> torch.Tensor:
         return self.unet(x, sigma, tokens, mask, pooled)

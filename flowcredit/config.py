@@ -1,0 +1,317 @@
+"""The one training configuration: a typed dataclass, a one-line doc per field, presets as functions.
+
+``validate`` rejects unknown keys, bad values and inconsistent combinations with a message naming
+the field (it never silently corrects input). ``load_config`` merges a preset, a YAML file and
+``--key value`` overrides, in that order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowcredit.advantages import ADVANTAGES
+from flowcredit.losses import KL_MODES
+from flowcredit.sde import LOGP_MODES, SAMPLERS
+from flowcredit.values import ESTIMATORS
+
+TRAIN_PARAMS = ("lora", "text", "lora+text", "all")
+
+
+@dataclass
+class Config:
+    # --- run ---
+    run_dir: str = "runs/demo"
+    """Output directory; an existing one is never overwritten (use --resume)."""
+    seed: int = 0
+    """Seed of every random draw (prompts, initial noise, SDE noise, update order)."""
+    iterations: int = 40
+    """Number of GRPO iterations (rollout + update)."""
+    max_minutes: float = 0.0
+    """Stop after this many minutes of training (0: no limit); a checkpoint is written first."""
+    threads: int = 2
+    """torch intra-op threads (one per core here; one per rank under torchrun)."""
+    # --- model ---
+    model: str = "tiny"
+    """Model adapter: 'tiny' (the built-in ShapeEval model)."""
+    checkpoint: str = "builtin"
+    """Base weights: 'builtin' (shipped tiny model) or a checkpoint directory."""
+    guidance_scale: float = 0.0
+    """Classifier-free guidance weight; 0 keeps the model's default."""
+    # --- task and reward ---
+    reward: str = "shapes"
+    """Reward: a registry name, 'pkg.mod:fn', or a weighted mix 'name=w,name=w'."""
+    train_prompts: str = "train"
+    """Training prompts: a ShapeEval split ('train', 'test') or a JSONL file."""
+    num_train_prompts: int = 0
+    """Use only the first k training prompts (0: all)."""
+    eval_prompts: str = "test"
+    """Held-out evaluation prompts: a split or a JSONL file."""
+    num_eval_prompts: int = 16
+    """Number of evaluation prompts, spread evenly over the set (0: all)."""
+    # --- sampling ---
+    num_steps: int = 10
+    """Denoising steps N of a training rollout."""
+    shift: float = 1.0
+    """Schedule shift s (SD3.5: 3.0)."""
+    sampler: str = "flow_sde"
+    """Rollout sampler: one of flowcredit.sde.SAMPLERS."""
+    noise_level: float = 0.7
+    """The sampler's noise parameter (a / eta / alpha) on SDE steps."""
+    window_start: int = 0
+    """First SDE (trained) step w."""
+    window_size: int = 0
+    """SDE steps K from window_start (0: every step but the last); other steps are ODE."""
+    logp_mode: str = "gaussian"
+    """'gaussian' (exact density, averaged over dims) or 'cps_mse' (Flow-GRPO's CPS surrogate)."""
+    prompts_per_iter: int = 4
+    """Prompt groups per iteration."""
+    group_size: int = 16
+    """Samples per prompt (the GRPO group)."""
+    shared_noise: bool = False
+    """All members of a group start from the same initial noise x_0."""
+    batch_size: int = 64
+    """Rows per model call in rollout and in the update (same geometry, so the first ratio is 1)."""
+    # --- credit assignment ---
+    credit: str = "flow_grpo"
+    """Advantage function: one of flowcredit.advantages.ADVANTAGES."""
+    estimator: str = "ode_remaining"
+    """State-value completion: 'ode_remaining' or 'euler' (dense methods only)."""
+    substeps: int = 5
+    """Euler sub-steps k of the 'euler' estimator."""
+    global_std: bool = False
+    """flow_grpo: divide by the batch std instead of the group std."""
+    adv_clip: float = 5.0
+    """Advantages are clipped to ±adv_clip."""
+    adv_eps: float = 1e-4
+    """eps in (x − mean)/(std + eps)."""
+    tp_constrained: bool = True
+    """turning_point: require sign(d_i) = sign(V_N − V_{i+1}) (TP-GRPO's consistency constraint)."""
+    tp_first_step: bool = True
+    """turning_point: apply the first-step rule."""
+    tp_balance: str = "group"
+    """turning_point: 'group' balancing of turning-point signs, or 'none'."""
+    # --- DenseGRPO exploration-space calibration ---
+    calibrate: bool = False
+    """Calibrate per-step noise ψ before training (DenseGRPO; sampler must be 'dance_sde')."""
+    calib_groups: int = 4
+    """Prompt groups per calibration round."""
+    calib_eps1: float = 2.0
+    """Algorithm 1's balance threshold ε1 (counts)."""
+    calib_eps2: float = 0.01
+    """Algorithm 1's step ε2 on ψ."""
+    calib_max_iters: int = 30
+    """Cap on calibration rounds."""
+    psi_path: str = ""
+    """Reuse a calibrated ψ (psi.json from 'flowcredit calibrate') instead of calibrating."""
+    # --- optimisation ---
+    train_params: str = "lora"
+    """What trains: 'lora' (velocity network), 'text' (text encoder), 'lora+text', or 'all'."""
+    lora_rank: int = 4
+    """LoRA rank r."""
+    lora_alpha: float = 4.0
+    """LoRA alpha (scale alpha/r)."""
+    lora_targets: str = "unet"
+    """LoRA target modules: 'unet' (its Linear/Conv2d layers) or a comma list of module-name suffixes."""
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    weight_decay: float = 1e-4
+    """AdamW weight decay."""
+    clip_range: float = 1e-3
+    """PPO clip ε on the ratio."""
+    beta: float = 0.0
+    """KL coefficient β to the reference policy."""
+    kl_mode: str = "exact"
+    """'exact' Gaussian KL or 'flow_grpo' (their g² normaliser)."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip."""
+    inner_epochs: int = 1
+    """Passes over the rollout per iteration."""
+    steps_per_update: int = 3
+    """Trained steps accumulated per optimizer step."""
+    ema_decay: float = 0.0
+    """EMA of trainable weights used for evaluation (0: off)."""
+    skip_bad_rewards: bool = False
+    """Drop groups with NaN/inf rewards (counted) instead of stopping with an error."""
+    # --- evaluation and checkpoints ---
+    eval_every: int = 10
+    """Evaluate every k iterations (and at the start and end); 0: only start and end."""
+    eval_samples_per_prompt: int = 8
+    """Samples per evaluation prompt (fixed initial noise)."""
+    eval_seed: int = 1234
+    """Seed of the evaluation noise (fixed for the whole run)."""
+    save_every: int = 1
+    """Write a checkpoint every k iterations."""
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    hints = typing.get_type_hints(Config)
+    return hints[f.name]
+
+
+def parse_value(name: str, raw: str):
+    """Convert a command-line string to the type of field ``name``."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    if name not in fields:
+        raise ValueError(f"unknown config key {name!r}; valid keys: {', '.join(sorted(fields))}")
+    kind = _field_type(fields[name])
+    try:
+        if kind is bool:
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError
+            return raw.lower() in ("true", "1", "yes")
+        if kind in (int, float, str):
+            return kind(raw)
+    except ValueError:
+        raise ValueError(f"config field {name!r}: cannot read {raw!r} as {kind.__name__}") from None
+    raise ValueError(f"config field {name!r} cannot be set from the command line")
+
+
+def from_dict(values: dict, base: Config | None = None) -> Config:
+    """A Config from ``base`` with ``values`` applied; unknown keys and wrong types raise."""
+    cfg = dataclasses.replace(base or Config())
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    for key, value in values.items():
+        if key not in fields:
+            raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(fields))}")
+        kind = _field_type(fields[key])
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"config field {key!r} must be {kind.__name__}, got {value!r}")
+        setattr(cfg, key, value)
+    return cfg
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"config field {name!r}: {message}")
+
+
+def validate(cfg: Config) -> Config:
+    """Raise ``ValueError`` naming the field for bad values or inconsistent combinations."""
+    _check(cfg.sampler in SAMPLERS, "sampler", f"{cfg.sampler!r} is not one of {sorted(SAMPLERS)}")
+    _check(cfg.sampler != "ode", "sampler", "'ode' has no noise, so nothing can be trained; use an SDE")
+    _check(cfg.credit in ADVANTAGES, "credit", f"{cfg.credit!r} is not one of {sorted(ADVANTAGES)}")
+    _check(cfg.estimator in ESTIMATORS, "estimator", f"{cfg.estimator!r} is not one of {ESTIMATORS}")
+    _check(cfg.logp_mode in LOGP_MODES, "logp_mode", f"{cfg.logp_mode!r} is not one of {LOGP_MODES}")
+    _check(cfg.kl_mode in KL_MODES, "kl_mode", f"{cfg.kl_mode!r} is not one of {KL_MODES}")
+    _check(cfg.train_params in TRAIN_PARAMS, "train_params", f"{cfg.train_params!r} not in {TRAIN_PARAMS}")
+    _check(cfg.tp_balance in ("group", "none"), "tp_balance", "must be 'group' or 'none'")
+    _check(cfg.num_steps >= 2, "num_steps", "must be >= 2")
+    _check(cfg.group_size >= 2, "group_size", "GRPO needs at least 2 samples per prompt")
+    _check(cfg.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")
+    _check(cfg.noise_level > 0, "noise_level", "must be > 0 (0 is the ODE: nothing to train)")
+    _check(cfg.batch_size >= 1, "batch_size", "must be >= 1")
+    _check(cfg.substeps >= 1, "substeps", "must be >= 1")
+    _check(cfg.clip_range > 0, "clip_range", "must be > 0")
+    _check(cfg.lr > 0, "lr", "must be > 0")
+    _check(cfg.beta >= 0, "beta", "must be >= 0")
+    _check(0.0 <= cfg.ema_decay < 1.0, "ema_decay", "must be in [0, 1)")
+    _check(cfg.steps_per_update >= 1, "steps_per_update", "must be >= 1")
+    _check(cfg.iterations >= 0, "iterations", "must be >= 0")
+    start, size = cfg.window_start, cfg.window_size or cfg.num_steps - 1 - cfg.window_start
+    _check(0 <= start < cfg.num_steps, "window_start", f"must lie in [0, {cfg.num_steps})")
+    _check(
+        size >= 1 and start + size <= cfg.num_steps,
+        "window_size",
+        f"window [{start}, {start + size}) must be non-empty and within the {cfg.num_steps} steps",
+    )
+    if cfg.sampler in ("cps", "ddim_sde"):
+        _check(
+            start + size < cfg.num_steps,
+            "window_size",
+            f"the last step of {cfg.sampler} is deterministic (σ' = 0) and cannot be trained",
+        )
+    if cfg.sampler == "ddim_sde":
+        _check(cfg.noise_level <= 1.0, "noise_level", "ddim_sde needs eta <= 1 (std <= sigma_next)")
+        _check(start >= 1, "window_start", "ddim_sde's first step (σ = 1) has std 0 and cannot be trained")
+    _check(
+        not cfg.calibrate or cfg.sampler == "dance_sde",
+        "calibrate",
+        "DenseGRPO's calibration sets dance_sde's per-step g: set sampler=dance_sde",
+    )
+    _check(
+        not (cfg.calibrate and cfg.psi_path), "psi_path", "give either calibrate=true or psi_path, not both"
+    )
+    _check(
+        not cfg.psi_path or cfg.sampler == "dance_sde", "psi_path", "a calibrated ψ needs sampler=dance_sde"
+    )
+    _check(not cfg.psi_path or Path(cfg.psi_path).is_file(), "psi_path", f"no file {cfg.psi_path!r}")
+    _check(cfg.model == "tiny", "model", "only the built-in 'tiny' adapter is available in this version")
+    return cfg
+
+
+def trained_window(cfg: Config) -> tuple[int, int]:
+    """(w, K) of the SDE window."""
+    size = cfg.window_size or cfg.num_steps - 1 - cfg.window_start
+    return cfg.window_start, size
+
+
+# --- presets (plain functions; each documented in docs/training.md) ---
+
+
+def flow_grpo() -> Config:
+    """Flow-GRPO: Flow-SDE a = 0.7, terminal reward on every trained step."""
+    return Config(sampler="flow_sde", noise_level=0.7, credit="flow_grpo")
+
+
+def dense_grpo() -> Config:
+    """DenseGRPO: Dance-SDE with calibrated per-step ψ, ode_remaining values, per-step z-scores."""
+    return Config(
+        sampler="dance_sde", noise_level=0.5, credit="dense", estimator="ode_remaining", calibrate=True
+    )
+
+
+def stepwise_grpo() -> Config:
+    """Stepwise-Flow-GRPO: DDIM-like SDE, euler(5) values, shared x_0 per group, joint normalisation."""
+    return Config(
+        sampler="ddim_sde",
+        noise_level=0.7,
+        credit="stepwise",
+        estimator="euler",
+        substeps=5,
+        shared_noise=True,
+        window_start=1,
+        window_size=8,
+    )
+
+
+def tp_grpo() -> Config:
+    """TP-GRPO: CPS α = 0.7 over an SDE window, ode_remaining values, turning points."""
+    return Config(
+        sampler="cps", noise_level=0.7, credit="turning_point", estimator="ode_remaining", window_size=8
+    )
+
+
+PRESETS = {
+    "flow_grpo": flow_grpo,
+    "dense_grpo": dense_grpo,
+    "stepwise_grpo": stepwise_grpo,
+    "tp_grpo": tp_grpo,
+}
+
+
+def load_config(preset: str = "flow_grpo", yaml_path: str | None = None, overrides: list[str] | None = None):
+    """Preset → YAML file → ``--key value`` overrides, then :func:`validate`."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    cfg = PRESETS[preset]()
+    if yaml_path:
+        import yaml
+
+        data = yaml.safe_load(Path(yaml_path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{yaml_path}: expected a mapping of config keys")
+        cfg = from_dict(data, cfg)
+    overrides = list(overrides or [])
+    if len(overrides) % 2:
+        raise ValueError(f"overrides must come as '--key value' pairs, got {overrides}")
+    for key, raw in zip(overrides[::2], overrides[1::2]):
+        if not key.startswith("--"):
+            raise ValueError(f"expected '--key', got {key!r}")
+        name = key[2:].replace("-", "_")
+        setattr(cfg, name, parse_value(name, raw))
+    return validate(cfg)

@@ -1,0 +1,298 @@
+"""Everything a training run holds between iterations, and its set-up, evaluation and outputs.
+
+``Session.open`` builds the model adapter, the policy (LoRA / trainable set / reference), the
+optimizer, EMA, schedule, noise vector (calibrating ψ first for DenseGRPO) and the prompt sets, or
+restores them from the run directory's checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from flowcredit.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from flowcredit.config import Config
+from flowcredit.policy import EMA, Policy
+from flowcredit.rewards import Reward, get_reward
+from flowcredit.schedule import sigmas as make_sigmas
+from flowcredit.sde import SAMPLERS
+
+
+def load_model(cfg: Config):
+    """The model adapter named by ``cfg.model`` with ``cfg.checkpoint`` weights."""
+    from flowcredit.models.tiny import load_checkpoint as load_tiny
+
+    model = load_tiny(cfg.checkpoint)
+    if cfg.guidance_scale:
+        model.guidance_scale = cfg.guidance_scale
+    return model
+
+
+def load_prompt_set(spec: str, limit: int, spread: bool) -> list[dict]:
+    """A ShapeEval split or JSONL file; the first ``limit`` prompts, or ``limit`` spread evenly."""
+    from flowcredit.evaluate import load_metas
+
+    metas = load_metas(spec)
+    if not limit or limit >= len(metas):
+        return metas
+    if spread:
+        step = len(metas) / limit
+        return [metas[int(i * step)] for i in range(limit)]
+    return metas[:limit]
+
+
+@dataclass
+class Session:
+    cfg: Config
+    run_dir: Path
+    model: object
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    reward: Reward
+    sigmas: torch.Tensor
+    levels: torch.Tensor
+    trained: torch.Tensor
+    train_metas: list[dict]
+    eval_metas: list[dict]
+    psi: torch.Tensor | None = None
+    start_iteration: int = 0
+    history: dict = field(default_factory=dict)
+
+    @property
+    def step_fn(self):
+        return SAMPLERS[self.cfg.sampler]
+
+    @property
+    def params(self):
+        return self.policy.parameters()
+
+    @property
+    def cfg_mult(self) -> int:
+        return 1 if self.model.guidance_scale == 1.0 else 2
+
+    @property
+    def adv_opts(self) -> dict:
+        c = self.cfg
+        return {
+            "eps": c.adv_eps,
+            "adv_clip": c.adv_clip,
+            "global_std": c.global_std,
+            "constrained": c.tp_constrained,
+            "first_step": c.tp_first_step,
+            "balance": c.tp_balance,
+        }
+
+    @classmethod
+    def open(cls, cfg: Config, resume: bool) -> Session:
+        from flowcredit.train import noise_levels
+
+        torch.set_num_threads(cfg.threads)
+        run_dir = Path(cfg.run_dir)
+        if not resume and run_dir.exists() and any(run_dir.iterdir()):
+            raise FileExistsError(
+                f"run_dir {str(run_dir)!r} exists and is not empty; use "
+                f"'flowcredit train --resume {run_dir}' or another --run_dir"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        model = load_model(cfg)
+        policy = Policy(
+            model,
+            cfg.train_params,
+            cfg.lora_rank,
+            cfg.lora_alpha,
+            cfg.lora_targets,
+            need_reference=cfg.beta > 0,
+            seed=cfg.seed,
+        )
+        params = policy.parameters()
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        ema = EMA(params, cfg.ema_decay) if cfg.ema_decay else None
+        sigmas = make_sigmas(cfg.num_steps, cfg.shift)
+        s = cls(
+            cfg,
+            run_dir,
+            model,
+            policy,
+            optimizer,
+            ema,
+            get_reward(cfg.reward),
+            sigmas,
+            torch.zeros(cfg.num_steps),
+            torch.zeros(cfg.num_steps, dtype=torch.bool),
+            load_prompt_set(cfg.train_prompts, cfg.num_train_prompts, spread=False),
+            load_prompt_set(cfg.eval_prompts, cfg.num_eval_prompts, spread=True),
+        )
+        ckpt = find_checkpoint(run_dir) if resume else None
+        if resume and ckpt is None:
+            raise FileNotFoundError(f"--resume {str(run_dir)!r}: no checkpoint in that run directory")
+        if ckpt is not None:
+            s._restore(load_checkpoint(ckpt))
+        elif cfg.psi_path:
+            s.psi = torch.tensor(json.loads(Path(cfg.psi_path).read_text())["psi"])
+        elif cfg.calibrate:
+            from flowcredit.calibrate_cmd import calibrate_session
+
+            s.psi = calibrate_session(s)
+        if s.psi is not None:
+            (run_dir / "psi.json").write_text(json.dumps({"psi": s.psi.tolist()}) + "\n")
+        s.levels, s.trained = noise_levels(cfg, s.psi)
+        return s
+
+    def _restore(self, state: dict) -> None:
+        self.policy.load_trainable_state(state["trainable"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and state["ema"] is not None:
+            for shadow, name in zip(self.ema.shadow, sorted(state["ema"])):
+                shadow.copy_(state["ema"][name])
+        extra = state["extra"]
+        self.psi = torch.tensor(extra["psi"]) if extra.get("psi") is not None else None
+        self.history = extra.get("history", {})
+        self.start_iteration = state["iteration"]
+
+    def save(self, iteration: int) -> None:
+        ema = None
+        if self.ema is not None:
+            ema = {f"{i:05d}": t for i, t in enumerate(self.ema.shadow)}
+        extra = {"psi": None if self.psi is None else self.psi.tolist(), "history": self.history}
+        save_checkpoint(
+            self.run_dir,
+            iteration=iteration,
+            trainable=self.policy.trainable_state(),
+            optimizer=self.optimizer.state_dict(),
+            ema=ema,
+            extra=extra,
+        )
+
+
+def make_score_fn(reward: Reward, spec: str, prompts, metas, rows, skip_bad: bool):
+    """``score(images, traj_index) -> (M,)`` with the checks of SPEC: a reward that raises or returns
+    NaN/inf stops the run with the reward and prompt named (or, with ``skip_bad``, yields NaN)."""
+
+    def score(images, traj_index):
+        p = [prompts[j] for j in rows[traj_index].tolist()]
+        m = [metas[j] for j in rows[traj_index].tolist()]
+        try:
+            values = reward(images, p, m)
+        except Exception as exc:
+            if skip_bad:
+                return torch.full((len(p),), math.nan)
+            raise RuntimeError(f"reward {spec!r} failed on prompts like {p[0]!r}: {exc}") from exc
+        bad = ~torch.isfinite(values)
+        if bad.any() and not skip_bad:
+            j = int(torch.nonzero(bad)[0])
+            raise ValueError(
+                f"reward {spec!r} returned {values[j].item()} for prompt {p[j]!r} "
+                "(set skip_bad_rewards=true to drop such groups)"
+            )
+        return torch.where(bad, torch.full_like(values, math.nan), values)
+
+    return score
+
+
+def _eval_tables(s: Session, metas: list[dict], seed: int, images: bool = False) -> dict:
+    from flowcredit.evaluate import evaluate
+
+    cfg = s.cfg
+    with torch.no_grad():
+        if s.ema is not None:
+            with s.ema.applied():
+                return evaluate(
+                    s.model,
+                    metas,
+                    seed=seed,
+                    samples_per_prompt=cfg.eval_samples_per_prompt,
+                    num_steps=cfg.num_steps,
+                    shift=cfg.shift,
+                    return_images=images,
+                )
+        return evaluate(
+            s.model,
+            metas,
+            seed=seed,
+            samples_per_prompt=cfg.eval_samples_per_prompt,
+            num_steps=cfg.num_steps,
+            shift=cfg.shift,
+            return_images=images,
+        )
+
+
+def evaluate_policy(s: Session, tag: str | None) -> dict:
+    """Held-out (and, with a small training set, trained-prompt) ShapeEval with fixed noise.
+
+    ``tag="start"`` also measures the noise floor (std over 3 noise seeds) and saves the grid.
+    """
+    out = {}
+    sets = {"test": s.eval_metas}
+    if s.cfg.num_train_prompts:
+        sets["train"] = s.train_metas
+    for name, metas in sets.items():
+        res = _eval_tables(s, metas, s.cfg.eval_seed, images=tag is not None)
+        overall = res["table"]["overall"]
+        out[f"eval/{name}/soft"], out[f"eval/{name}/strict"] = overall["soft"], overall["strict"]
+        if tag is not None:
+            _save_grid(s, res, metas, f"grid_{tag}_{name}.png")
+        if tag == "start":
+            floors = [_eval_tables(s, metas, s.cfg.eval_seed + k)["table"]["overall"]["soft"] for k in (1, 2)]
+            spread = torch.tensor([overall["soft"], *floors])
+            s.history[f"floor/{name}/soft"] = spread.std(unbiased=False).item()
+            out[f"eval/{name}/floor_soft"] = s.history[f"floor/{name}/soft"]
+    return out
+
+
+def _save_grid(s: Session, res: dict, metas: list[dict], filename: str) -> None:
+    from flowcredit.evaluate import image_grid
+
+    k = s.cfg.eval_samples_per_prompt
+    n = min(len(metas), 8)
+    rows = torch.tensor([i * k + j for i in range(n) for j in range(k)])
+    grid = image_grid(res["images"][rows], [m["prompt"] for m in metas[:n]], k)
+    grid.save(s.run_dir / filename)
+
+
+def final_artifacts(s: Session, elapsed: float) -> dict:
+    """Final weights (merged model + trainable tensors), summary.json, and the printed summary."""
+    from safetensors.torch import save_file
+
+    from flowcredit.runlog import read_metrics
+
+    final = s.run_dir / "final"
+    final.mkdir(exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in s.policy.trainable_state().items()},
+        str(final / "trainable.safetensors"),
+    )
+    merged = type(s.model)(s.model.config)
+    merged.net.load_state_dict(s.policy.merged_state_dict())
+    merged.guidance_scale = s.model.guidance_scale
+    merged.save(final)
+    rows = read_metrics(s.run_dir)
+    evals = [r for r in rows if "eval/test/soft" in r]
+    summary = {"minutes": elapsed / 60, "iterations": rows[-1]["iteration"] if rows else 0}
+    for name in ("test", "train"):
+        if evals and f"eval/{name}/soft" in evals[0]:
+            summary[name] = {
+                "before": evals[0][f"eval/{name}/soft"],
+                "after": evals[-1][f"eval/{name}/soft"],
+                "best": max(r[f"eval/{name}/soft"] for r in evals),
+                "noise_floor": s.history.get(f"floor/{name}/soft", math.nan),
+            }
+    (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    lines = [
+        f"flowcredit: {summary['iterations']} iterations of {s.cfg.credit} in {summary['minutes']:.1f} min"
+    ]
+    for name in ("train", "test"):
+        if name in summary:
+            e = summary[name]
+            lines.append(
+                f"  eval {name:>5} (soft, ODE, fixed noise): before {e['before']:.3f} → after "
+                f"{e['after']:.3f} (best {e['best']:.3f}); noise floor ±{e['noise_floor']:.3f}"
+            )
+    lines.append(f"  outputs in {s.run_dir}/ (metrics.jsonl, reward_curve.png, grid_*.png, final/)")
+    print("\n".join(lines))
+    return summary

@@ -1,0 +1,1 @@
+"""Built-in benchmark tasks. ``shapes``: ShapeEval, a GenEval-like compositional benchmark."""

@@ -1,0 +1,258 @@
+"""``flowcredit train``: the one GRPO loop for every credit-assignment method (SPEC §7).
+
+prompts → rollout (sampler, per-step noise vector, SDE window) → state values (lock-step
+completions, one reward call) → advantages (B, N) → PPO updates over the trained steps (KL to the
+reference) → EMA → evaluation with the ODE sampler and fixed noise → checkpoint.
+
+Methods differ only by what they pick from the dicts (``SAMPLERS[cfg.sampler]``,
+``ADVANTAGES[cfg.credit]``) and by the values they need. Deviations from the papers:
+1. The update visits trained steps in a random order, one step (all rows) per micro-batch, with the
+   rollout's batch geometry, so the first ratio is exactly 1; ``steps_per_update`` steps are
+   accumulated per optimizer step (Flow-GRPO accumulates over all timesteps).
+2. Groups whose advantages are all zero are dropped before the update (no gradient, no compute).
+3. Random draws come from generators seeded by ``(seed, iteration, purpose)``: resuming is exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from flowcredit.advantages import ADVANTAGES
+from flowcredit.config import Config, from_dict, load_config, trained_window, validate
+from flowcredit.losses import approx_kl, clipfrac, clipped_surrogate, kl_to_reference
+from flowcredit.rollout import needed_states, rollout, state_values
+from flowcredit.runlog import RunLog, plot_curves
+from flowcredit.session import Session, evaluate_policy, final_artifacts, make_score_fn
+
+
+def seeded(seed: int, iteration: int, purpose: int) -> torch.Generator:
+    """A generator for one purpose of one iteration (no state to checkpoint)."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + iteration * 101 + purpose)
+
+
+def noise_levels(cfg: Config, psi: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-step levels ``(N,)`` (0 = ODE step) and the trained mask ``(N,)``."""
+    w, k = trained_window(cfg)
+    trained = torch.zeros(cfg.num_steps, dtype=torch.bool)
+    trained[w : w + k] = True
+    levels = torch.where(trained, torch.full((cfg.num_steps,), cfg.noise_level), torch.zeros(cfg.num_steps))
+    if psi is not None:
+        levels = torch.where(trained, psi, torch.zeros_like(psi))
+    return levels, trained
+
+
+def grpo_iteration(s: Session, it: int) -> dict:
+    """One iteration: rollout, values, advantages, PPO update. Returns its metrics."""
+    cfg, model = s.cfg, s.model
+    pick = torch.randint(len(s.train_metas), (cfg.prompts_per_iter,), generator=seeded(cfg.seed, it, 0))
+    metas = [s.train_metas[i] for i in pick.tolist()]
+    prompts = [m["prompt"] for m in metas]
+    rows = torch.arange(cfg.prompts_per_iter).repeat_interleave(cfg.group_size)  # (B,) prompt of each row
+    n_noise = cfg.prompts_per_iter if cfg.shared_noise else len(rows)
+    x0 = torch.randn((n_noise, *model.latent_shape), generator=seeded(cfg.seed, it, 1))
+    x0 = x0[rows] if cfg.shared_noise else x0
+    with torch.no_grad():
+        cond = model.encode(prompts)
+    ro = rollout(
+        model,
+        cond,
+        rows,
+        x0,
+        s.sigmas,
+        s.levels,
+        s.step_fn,
+        seeded(cfg.seed, it, 2),
+        cfg.logp_mode,
+        cfg.batch_size,
+    )
+    score = make_score_fn(s.reward, cfg.reward, prompts, metas, rows, cfg.skip_bad_rewards)
+    values, nfe_values = state_values(
+        model,
+        cond,
+        rows,
+        ro,
+        s.sigmas,
+        cfg.credit,
+        s.trained,
+        cfg.estimator,
+        cfg.substeps,
+        score,
+        cfg.batch_size,
+    )
+    bad = torch.isnan(values[:, needed_states(cfg.credit, s.trained)]).any(dim=1)  # (B,)
+    bad_groups = torch.unique(rows[bad])
+    ok = ~torch.isin(rows, bad_groups)
+    adv = torch.zeros(len(rows), cfg.num_steps)
+    if ok.any():
+        adv[ok] = ADVANTAGES[cfg.credit](values[ok], rows[ok], s.trained, **s.adv_opts)
+    live_groups = torch.unique(rows[(adv != 0).any(dim=1)])
+    keep = torch.nonzero(torch.isin(rows, live_groups), as_tuple=True)[0]
+    stats = ppo_update(s, ro, adv, prompts, rows, keep, seeded(cfg.seed, it, 3)) if len(keep) else {}
+    final = values[ok, -1]
+    return {
+        "reward/mean": final.mean().item() if len(final) else math.nan,
+        "reward/std": final.std(unbiased=False).item() if len(final) else math.nan,
+        **{
+            f"reward/{k}": v[: len(rows)][ok].mean().item()
+            for k, v in s.reward.last_components.items()
+            if len(s.reward.fns) > 1
+        },
+        "adv/abs_mean": adv[:, s.trained].abs().mean().item(),
+        "stats/zero_std_groups": cfg.prompts_per_iter - len(live_groups) - len(bad_groups),
+        "stats/bad_reward_groups": len(bad_groups),
+        "nfe/rollout": len(rows) * cfg.num_steps * s.cfg_mult,
+        "nfe/values": nfe_values * s.cfg_mult,
+        "nfe/train": len(keep)
+        * int(s.trained.sum())
+        * cfg.inner_epochs
+        * s.cfg_mult
+        * (2 if cfg.beta else 1),
+        **stats,
+    }
+
+
+def ppo_update(s: Session, ro, adv, prompts, rows, keep, gen) -> dict:
+    """PPO over the trained steps: one micro-batch per (step, row chunk), accumulated per update."""
+    cfg, model = s.cfg, s.model
+    steps = torch.nonzero(s.trained, as_tuple=True)[0]
+    totals = {
+        "loss/policy": 0.0,
+        "loss/kl": 0.0,
+        "stats/approx_kl": 0.0,
+        "stats/clipfrac": 0.0,
+        "stats/ratio_mean": 0.0,
+        "stats/grad_norm": 0.0,
+    }
+    count, updates = 0, 0
+    for _ in range(cfg.inner_epochs):
+        order = steps[torch.randperm(len(steps), generator=gen)]
+        for start in range(0, len(order), cfg.steps_per_update):
+            window = order[start : start + cfg.steps_per_update]
+            for i in window.tolist():
+                cond = model.encode(prompts)  # under grad: the text encoder may train
+                for lo in range(0, len(keep), cfg.batch_size):
+                    r = keep[lo : lo + cfg.batch_size]
+                    weight = len(r) / len(keep) / len(window)
+                    out = step_loss(s, ro, adv, prompts, cond, rows, r, i, weight)
+                    for key, value in out.items():
+                        totals[key] += value
+                    count += 1
+            norm = torch.nn.utils.clip_grad_norm_(s.params, cfg.max_grad_norm)
+            totals["stats/grad_norm"] += norm.item()
+            s.optimizer.step()
+            s.optimizer.zero_grad(set_to_none=True)
+            if s.ema is not None:
+                s.ema.update()
+            updates += 1
+    out = {k: v / max(count, 1) for k, v in totals.items() if k != "stats/grad_norm"}
+    out["stats/grad_norm"] = totals["stats/grad_norm"] / max(updates, 1)
+    out["stats/optimizer_steps"] = updates
+    return out
+
+
+def step_loss(s: Session, ro, adv, prompts, cond, rows, r, i: int, weight: float) -> dict:
+    """Backward of ``weight·(L_pg + β·KL)`` for rows ``r`` at step ``i``; returns the statistics."""
+    cfg, model = s.cfg, s.model
+    x, x_next = ro.states[r, i], ro.states[r, i + 1]
+    sigma, sigma_next, level = s.sigmas[i].item(), s.sigmas[i + 1].item(), float(s.levels[i])
+    v = model.velocity(x, s.sigmas[i].expand(len(r)), cond[rows[r]])
+    step = s.step_fn(v, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode)
+    logp_old = ro.logp[r, i]
+    policy_loss = clipped_surrogate(step.logp, logp_old, adv[r, i], cfg.clip_range)
+    kl = torch.zeros(())
+    if cfg.beta > 0:
+        with torch.no_grad(), s.policy.reference():
+            v_ref = model.velocity(x, s.sigmas[i].expand(len(r)), model.encode(prompts)[rows[r]])
+            mean_ref = s.step_fn(
+                v_ref, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode
+            ).mean
+        kl = kl_to_reference(step.mean, mean_ref, step.std, sigma_next - sigma, cfg.kl_mode).mean()
+    ((policy_loss + cfg.beta * kl) * weight).backward()
+    return {
+        "loss/policy": policy_loss.item(),
+        "loss/kl": kl.item(),
+        "stats/approx_kl": approx_kl(step.logp, logp_old).item(),
+        "stats/clipfrac": clipfrac(step.logp, logp_old, cfg.clip_range).item(),
+        "stats/ratio_mean": torch.exp(step.logp - logp_old).mean().item(),
+    }
+
+
+def train(cfg: Config, resume: bool = False) -> dict:
+    """Run (or resume) training in ``cfg.run_dir``; returns the end-of-run summary."""
+    s = Session.open(cfg, resume)
+    interrupted = {"flag": False}
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
+    t_start, log = time.time(), RunLog(s.run_dir, s.start_iteration if resume else None)
+    try:
+        if s.start_iteration == 0:
+            log.log(0, evaluate_policy(s, "start"))
+        bar = tqdm(
+            range(s.start_iteration, cfg.iterations),
+            initial=s.start_iteration,
+            total=cfg.iterations,
+            desc=f"train {cfg.credit}",
+            dynamic_ncols=True,
+            file=sys.stdout,
+        )
+        for it in bar:
+            t0 = time.time()
+            metrics = grpo_iteration(s, it)
+            done = it + 1
+            out_of_time = cfg.max_minutes and (time.time() - t_start) / 60 >= cfg.max_minutes
+            last = done == cfg.iterations or interrupted["flag"] or out_of_time
+            if (cfg.eval_every and done % cfg.eval_every == 0) or last:
+                metrics.update(evaluate_policy(s, "after" if last else None))
+            log.log(done, metrics, {"time/iteration_s": time.time() - t0})
+            bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}"})
+            if done % cfg.save_every == 0 or last:
+                s.save(done)
+            if last:
+                break
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        log.close()
+    plot_curves(s.run_dir)
+    summary = final_artifacts(s, time.time() - t_start)
+    return summary
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flowcredit train",
+        description="GRPO with step-level credit assignment. "
+        "Any config field can be given as --field value (see flowcredit/config.py).",
+    )
+    p.add_argument("--preset", default="flow_grpo", help="flow_grpo | dense_grpo | stepwise_grpo | tp_grpo")
+    p.add_argument("--config", default=None, help="YAML file of config fields")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = _parser().parse_known_args(argv)
+    if args.resume:
+        saved = json.loads((Path(args.resume) / "config.json").read_text())
+        cfg = validate(from_dict(saved, Config()))
+        for key, raw in zip(rest[::2], rest[1::2]):
+            cfg = load_config_override(cfg, key, raw)
+        cfg.run_dir = args.resume
+        train(cfg, resume=True)
+    else:
+        train(load_config(args.preset, args.config, rest))
+    return 0
+
+
+def load_config_override(cfg: Config, key: str, raw: str) -> Config:
+    from flowcredit.config import parse_value
+
+    setattr(cfg, key.lstrip("-").replace("-", "_"), parse_value(key.lstrip("-").replace("-", "_"), raw))
+    return validate(cfg)
