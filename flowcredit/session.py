@@ -267,10 +267,13 @@ def final_artifacts(s: Session, elapsed: float) -> dict:
         {k: v.contiguous() for k, v in s.policy.trainable_state().items()},
         str(final / "trainable.safetensors"),
     )
-    merged = type(s.model)(s.model.config)
-    merged.net.load_state_dict(s.policy.merged_state_dict())
-    merged.guidance_scale = s.model.guidance_scale
-    merged.save(final)
+    if hasattr(s.model, "save_final"):  # adapter-specific format (e.g. diffusers LoRA)
+        s.model.save_final(s.policy, final)
+    else:
+        merged = type(s.model)(s.model.config)
+        merged.net.load_state_dict(s.policy.merged_state_dict())
+        merged.guidance_scale = s.model.guidance_scale
+        merged.save(final)
     rows = read_metrics(s.run_dir)
     evals = [r for r in rows if "eval/test/soft" in r]
     summary = {"minutes": elapsed / 60, "iterations": rows[-1]["iteration"] if rows else 0}

@@ -249,3 +249,8 @@ def load_builtin(device: str | torch.device = "cpu") -> TinyFlowModel:
 def load_checkpoint(spec: str | Path, device: str | torch.device = "cpu") -> TinyFlowModel:
     """``"builtin"`` or a checkpoint directory."""
     return load_builtin(device) if str(spec) == "builtin" else TinyFlowModel.load(spec, device)
+
+
+def load_for_training(cfg) -> TinyFlowModel:
+    """Trainer entry point: the checkpoint named by ``cfg.checkpoint`` (``"builtin"`` or a directory)."""
+    return load_checkpoint(cfg.checkpoint)
