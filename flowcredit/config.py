@@ -43,6 +43,8 @@ class Config:
     # --- task and reward ---
     reward: str = "shapes"
     """Reward: a registry name, 'pkg.mod:fn', or a weighted mix 'name=w,name=w'."""
+    reward_options: str = ""
+    """JSON of per-reward keyword options, e.g. '{"pickscore": {"model_dir": "/models/pickscore"}}'."""
     train_prompts: str = "train"
     """Training prompts: a ShapeEval split ('train', 'test') or a JSONL file."""
     num_train_prompts: int = 0
@@ -113,8 +115,8 @@ class Config:
     """LoRA rank r."""
     lora_alpha: float = 4.0
     """LoRA alpha (scale alpha/r)."""
-    lora_targets: str = "unet"
-    """LoRA target modules: 'unet' (its Linear/Conv2d layers) or a comma list of module-name suffixes."""
+    lora_targets: str = "default"
+    """LoRA target modules: 'default' (the adapter's), 'unet' (tiny), or a comma list of module-name suffixes."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 1e-4

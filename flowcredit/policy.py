@@ -52,6 +52,9 @@ class Policy:
         if "lora" in train_params:
             self._add_lora(net, lora_rank, lora_alpha, lora_targets, seed)
         if train_params in ("text", "lora+text"):
+            if not hasattr(net, "text"):
+                raise ValueError(f"config field 'train_params': {train_params!r} needs a model with a trainable "
+                                 "text encoder module 'net.text' (the built-in tiny model)")
             net.text.requires_grad_(True)
         if train_params == "all":
             net.requires_grad_(True)
@@ -59,6 +62,8 @@ class Policy:
     def _add_lora(self, net, rank, alpha, targets, seed):
         from peft import LoraConfig, inject_adapter_in_model
 
+        if targets == "default":
+            targets = getattr(self.model, "default_lora_targets", "unet")
         self.lora_names = lora_target_names(net, targets)
         config = LoraConfig(
             r=rank, lora_alpha=alpha, target_modules=self.lora_names, init_lora_weights="gaussian"

@@ -32,11 +32,29 @@ def load_model(cfg: Config):
     return model
 
 
-def load_prompt_set(spec: str, limit: int, spread: bool) -> list[dict]:
-    """A ShapeEval split or JSONL file; the first ``limit`` prompts, or ``limit`` spread evenly."""
-    from flowcredit.evaluate import load_metas
+def read_prompts(spec: str) -> list[dict]:
+    """Prompt metadata: a ShapeEval split ('train' / 'test'), a JSONL file (one object with a
+    "prompt" key per line) or a text file (one prompt per line)."""
+    if spec in ("train", "test"):
+        from flowcredit.tasks.shapes import load_prompts
 
-    metas = load_metas(spec)
+        return load_prompts(spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"prompt set {spec!r}: not a ShapeEval split ('train', 'test') nor an existing file")
+    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    if path.suffix != ".jsonl":
+        return [{"prompt": ln} for ln in lines]
+    metas = [json.loads(ln) for ln in lines]
+    for k, m in enumerate(metas):
+        if not isinstance(m, dict) or not isinstance(m.get("prompt"), str):
+            raise ValueError(f"{spec}: line {k + 1} has no string 'prompt' field")
+    return metas
+
+
+def load_prompt_set(spec: str, limit: int, spread: bool) -> list[dict]:
+    """:func:`read_prompts`, then the first ``limit`` prompts, or ``limit`` spread evenly (0: all)."""
+    metas = read_prompts(spec)
     if not limit or limit >= len(metas):
         return metas
     if spread:
@@ -121,7 +139,7 @@ class Session:
             policy,
             optimizer,
             ema,
-            get_reward(cfg.reward),
+            get_reward(cfg.reward, json.loads(cfg.reward_options) if cfg.reward_options else None),
             sigmas,
             torch.zeros(cfg.num_steps),
             torch.zeros(cfg.num_steps, dtype=torch.bool),
@@ -196,30 +214,21 @@ def make_score_fn(reward: Reward, spec: str, prompts, metas, rows, skip_bad: boo
 
 
 def _eval_tables(s: Session, metas: list[dict], seed: int, images: bool = False) -> dict:
-    from flowcredit.evaluate import evaluate
+    """ShapeEval tables (``shapes`` reward) or the mean configured reward, ODE sampler, fixed noise."""
+    from flowcredit.evaluate import evaluate, initial_noise, sample
 
-    cfg = s.cfg
-    with torch.no_grad():
-        if s.ema is not None:
-            with s.ema.applied():
-                return evaluate(
-                    s.model,
-                    metas,
-                    seed=seed,
-                    samples_per_prompt=cfg.eval_samples_per_prompt,
-                    num_steps=cfg.num_steps,
-                    shift=cfg.shift,
-                    return_images=images,
-                )
-        return evaluate(
-            s.model,
-            metas,
-            seed=seed,
-            samples_per_prompt=cfg.eval_samples_per_prompt,
-            num_steps=cfg.num_steps,
-            shift=cfg.shift,
-            return_images=images,
-        )
+    cfg, k = s.cfg, s.cfg.eval_samples_per_prompt
+    ema = s.ema.applied() if s.ema is not None else contextlib.nullcontext()
+    with torch.no_grad(), ema:
+        if cfg.reward == "shapes":
+            return evaluate(s.model, metas, seed=seed, samples_per_prompt=k, num_steps=cfg.num_steps,
+                            shift=cfg.shift, return_images=images)
+        rows = [m for m in metas for _ in range(k)]
+        noise = initial_noise(len(rows), tuple(s.model.latent_shape), seed)
+        imgs = sample(s.model, [m["prompt"] for m in rows], noise, cfg.num_steps, cfg.shift, None, cfg.batch_size)
+        score = s.reward(imgs, [m["prompt"] for m in rows], rows).mean().item()
+        out = {"table": {"overall": {"soft": score, "strict": math.nan}}}
+        return {**out, "images": imgs} if images else out
 
 
 def evaluate_policy(s: Session, tag: str | None) -> dict:

@@ -125,6 +125,8 @@ class TinyFlowModel:
         seed: initialisation seed; the global torch RNG is left untouched.
     """
 
+    default_lora_targets = "unet"  # LoRA targets for lora_targets='default': the U-Net's Linear/Conv2d
+
     def __init__(self, config: TinyConfig, net: TinyNet | None = None, seed: int = 0):
         self.config = config
         self.tokenizer = Tokenizer(config.vocab, config.max_len)

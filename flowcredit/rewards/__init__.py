@@ -105,6 +105,8 @@ class Reward:
         return total
 
 
-def get_reward(spec: str | dict[str, float]) -> Reward:
-    """Resolve a reward spec (name, 'pkg.mod:fn', or weighted mix)."""
+def get_reward(spec: str | dict[str, float], options: dict | None = None) -> Reward:
+    """Resolve a reward spec (name, 'pkg.mod:fn', or weighted mix); ``options`` are per-reward kwargs."""
+    if options:
+        raise ValueError(f"reward_options given for {sorted(options)}, but no reward here takes options")
     return Reward(spec)
