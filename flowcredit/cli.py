@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "pretrain": ("flowcredit.pretrain", "main", "pretrain the built-in tiny model"),
     "bench": ("flowcredit.bench", "main", "compare credit-assignment methods"),
     "demo": ("flowcredit.demo", "main", "the default CPU fine-tuning job (make demo)"),
+    "serve-reward": ("flowcredit.reward_server", "main", "serve a registered reward over HTTP"),
 }
 
 

@@ -44,7 +44,7 @@ def sample(
     """
     num_steps = num_steps or getattr(model, "num_steps", 10)
     shift = shift if shift is not None else getattr(model, "shift", 1.0)
-    sig = make_sigmas(num_steps, shift)  # (N + 1,)
+    sig = model.sigmas(num_steps) if hasattr(model, "sigmas") else make_sigmas(num_steps, shift)  # (N + 1,)
     ode = SAMPLERS["ode"]
     saved = model.guidance_scale
     if guidance_scale is not None:

@@ -53,8 +53,10 @@ class Policy:
             self._add_lora(net, lora_rank, lora_alpha, lora_targets, seed)
         if train_params in ("text", "lora+text"):
             if not hasattr(net, "text"):
-                raise ValueError(f"config field 'train_params': {train_params!r} needs a model with a trainable "
-                                 "text encoder module 'net.text' (the built-in tiny model)")
+                raise ValueError(
+                    f"config field 'train_params': {train_params!r} needs a model with a trainable "
+                    "text encoder module 'net.text' (the built-in tiny model)"
+                )
             net.text.requires_grad_(True)
         if train_params == "all":
             net.requires_grad_(True)

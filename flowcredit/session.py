@@ -7,6 +7,8 @@ restores them from the run directory's checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -22,11 +24,18 @@ from flowcredit.schedule import sigmas as make_sigmas
 from flowcredit.sde import SAMPLERS
 
 
+MODEL_LOADERS = {
+    "tiny": "flowcredit.models.tiny:load_for_training",
+    "sd3": "flowcredit.models.sd3:load_for_training",
+    "flux": "flowcredit.models.flux:load_for_training",
+}
+"""Adapter loaders ``(cfg: Config) -> FlowModel``, imported only when chosen."""
+
+
 def load_model(cfg: Config):
     """The model adapter named by ``cfg.model`` with ``cfg.checkpoint`` weights."""
-    from flowcredit.models.tiny import load_checkpoint as load_tiny
-
-    model = load_tiny(cfg.checkpoint)
+    module, _, name = MODEL_LOADERS[cfg.model].partition(":")
+    model = getattr(importlib.import_module(module), name)(cfg)
     if cfg.guidance_scale:
         model.guidance_scale = cfg.guidance_scale
     return model
@@ -131,7 +140,10 @@ class Session:
         params = policy.parameters()
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         ema = EMA(params, cfg.ema_decay) if cfg.ema_decay else None
-        sigmas = make_sigmas(cfg.num_steps, cfg.shift)
+        # the adapter's own schedule when it has one (diffusers models: exactly as diffusers computes it)
+        sigmas = (
+            model.sigmas(cfg.num_steps) if hasattr(model, "sigmas") else make_sigmas(cfg.num_steps, cfg.shift)
+        )
         s = cls(
             cfg,
             run_dir,
@@ -221,11 +233,20 @@ def _eval_tables(s: Session, metas: list[dict], seed: int, images: bool = False)
     ema = s.ema.applied() if s.ema is not None else contextlib.nullcontext()
     with torch.no_grad(), ema:
         if cfg.reward == "shapes":
-            return evaluate(s.model, metas, seed=seed, samples_per_prompt=k, num_steps=cfg.num_steps,
-                            shift=cfg.shift, return_images=images)
+            return evaluate(
+                s.model,
+                metas,
+                seed=seed,
+                samples_per_prompt=k,
+                num_steps=cfg.num_steps,
+                shift=cfg.shift,
+                return_images=images,
+            )
         rows = [m for m in metas for _ in range(k)]
         noise = initial_noise(len(rows), tuple(s.model.latent_shape), seed)
-        imgs = sample(s.model, [m["prompt"] for m in rows], noise, cfg.num_steps, cfg.shift, None, cfg.batch_size)
+        imgs = sample(
+            s.model, [m["prompt"] for m in rows], noise, cfg.num_steps, cfg.shift, None, cfg.batch_size
+        )
         score = s.reward(imgs, [m["prompt"] for m in rows], rows).mean().item()
         out = {"table": {"overall": {"soft": score, "strict": math.nan}}}
         return {**out, "images": imgs} if images else out

@@ -143,8 +143,10 @@ def ppo_update(s: Session, ro, adv, prompts, rows, keep, gen) -> dict:
                     r = keep[lo : lo + cfg.batch_size]
                     weight = len(r) / len(keep) / len(window)
                     out = step_loss(s, ro, adv, prompts, cond, rows, r, i, weight)
+                    if count == 0:  # before any optimizer step: must be exactly 1 (same model, same geometry)
+                        first_dev = out["stats/ratio_maxdev"]
                     for key, value in out.items():
-                        totals[key] += value
+                        totals[key] = totals.get(key, 0.0) + value
                     count += 1
             norm = torch.nn.utils.clip_grad_norm_(s.params, cfg.max_grad_norm)
             totals["stats/grad_norm"] += norm.item()
@@ -156,6 +158,7 @@ def ppo_update(s: Session, ro, adv, prompts, rows, keep, gen) -> dict:
     out = {k: v / max(count, 1) for k, v in totals.items() if k != "stats/grad_norm"}
     out["stats/grad_norm"] = totals["stats/grad_norm"] / max(updates, 1)
     out["stats/optimizer_steps"] = updates
+    out["stats/first_ratio_maxdev"] = first_dev
     return out
 
 
@@ -183,6 +186,7 @@ def step_loss(s: Session, ro, adv, prompts, cond, rows, r, i: int, weight: float
         "stats/approx_kl": approx_kl(step.logp, logp_old).item(),
         "stats/clipfrac": clipfrac(step.logp, logp_old, cfg.clip_range).item(),
         "stats/ratio_mean": torch.exp(step.logp - logp_old).mean().item(),
+        "stats/ratio_maxdev": (torch.exp(step.logp - logp_old) - 1).abs().max().item(),
     }
 
 

@@ -3,18 +3,29 @@
 Resolve one with :func:`get_reward` from a registry name (``REWARDS``), a dotted path
 ``"pkg.mod:fn"``, or a weighted mix ``"shapes=1.0,jpeg_compressibility=0.1"`` (also a dict); a mix
 reports each component, so the trainer can log ``reward/<name>``.
+
+Every ``REWARDS`` value is a *factory* ``(**options) -> reward_fn``, called once per :class:`Reward`
+with that reward's entry of ``options`` (the config field ``reward_options``, JSON
+``{"pickscore": {"model_dir": "/models/pickscore"}}``). Heavy rewards (OCR, CLIP models, the HTTP
+client) are registered lazily: their module, and its transformers / rapidocr imports, load only when
+the reward is built. An option the factory does not take, or a required one that is missing, is a
+``ValueError`` naming the reward and the option. A dotted path names a reward function; if options
+are given for it, it is called as a factory ``fn(**options) -> reward_fn`` instead.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import io
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
+RewardFactory = Callable[..., RewardFn]
 
 
 def _shapes(images, prompts, metadata):
@@ -38,35 +49,98 @@ def _jpeg_kb(images) -> np.ndarray:
 
 
 def jpeg_compressibility(images, prompts, metadata):
-    """DDPO's compressibility: minus the JPEG size (kB, quality 95)."""
+    """DDPO's compressibility: minus the JPEG size (kB, quality 95). Returns ``(B,)``."""
     return -torch.from_numpy(_jpeg_kb(images))
 
 
 def jpeg_incompressibility(images, prompts, metadata):
-    """Plus the JPEG size (kB, quality 95)."""
+    """Plus the JPEG size (kB, quality 95). Returns ``(B,)``."""
     return torch.from_numpy(_jpeg_kb(images))
 
 
-REWARDS: dict[str, RewardFn] = {
-    "shapes": _shapes,
-    "jpeg_compressibility": jpeg_compressibility,
-    "jpeg_incompressibility": jpeg_incompressibility,
+def _import(target: str):
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class _Lazy:
+    """A factory named by ``"module:attr"``, imported on first use (keeps ``import flowcredit`` light)."""
+
+    target: str
+
+    def load(self) -> RewardFactory:
+        return _import(self.target)
+
+    def __call__(self, **options) -> RewardFn:
+        return self.load()(**options)
+
+
+def _plain(fn: RewardFn) -> RewardFactory:
+    """A factory without options for a ready reward function."""
+
+    def factory() -> RewardFn:
+        return fn
+
+    factory.__doc__ = fn.__doc__
+    return factory
+
+
+REWARDS: dict[str, RewardFactory] = {
+    "shapes": _plain(_shapes),
+    "jpeg_compressibility": _plain(jpeg_compressibility),
+    "jpeg_incompressibility": _plain(jpeg_incompressibility),
+    "ocr": _Lazy("flowcredit.rewards.ocr:ocr"),
+    "pickscore": _Lazy("flowcredit.rewards.clip:pickscore"),
+    "clipscore": _Lazy("flowcredit.rewards.clip:clipscore"),
+    "aesthetic": _Lazy("flowcredit.rewards.clip:aesthetic"),
+    "imagereward": _Lazy("flowcredit.rewards.clip:imagereward"),
+    "remote": _Lazy("flowcredit.rewards.remote:remote"),
 }
 
 
-def _resolve_one(name: str) -> RewardFn:
+def _resolve_dotted(name: str) -> Callable:
+    module, _, attr = name.partition(":")
+    try:
+        fn = _import(name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"reward {name!r}: cannot import {attr!r} from {module!r} ({exc})") from exc
+    if not callable(fn):
+        raise ValueError(f"reward {name!r} is not callable")
+    return fn
+
+
+def _check_options(name: str, factory: Callable, options: dict) -> None:
+    """Raise ``ValueError`` for an option ``factory`` does not take, or a required one not given."""
+    target = factory.load() if isinstance(factory, _Lazy) else factory
+    params = inspect.signature(target).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    accepted = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for option in options:
+        if option not in accepted:
+            raise ValueError(f"reward {name!r} has no option {option!r}; its options: {accepted or 'none'}")
+    for n in accepted:
+        if params[n].default is inspect.Parameter.empty and n not in options:
+            raise ValueError(
+                f"reward {name!r} needs option {n!r}: reward_options='{{\"{name}\": {{\"{n}\": ...}}}}'"
+            )
+
+
+def build_reward(name: str, options: dict | None = None) -> RewardFn:
+    """One reward function from a registry name or ``"pkg.mod:fn"``, built with its ``options``."""
+    options = dict(options or {})
     if name in REWARDS:
-        return REWARDS[name]
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(f"reward {name!r}: cannot import {attr!r} from {module!r} ({exc})") from exc
-        if not callable(fn):
-            raise ValueError(f"reward {name!r} is not callable")
-        return fn
-    raise ValueError(f"unknown reward {name!r}; registered: {sorted(REWARDS)} (or 'pkg.mod:fn')")
+        factory = REWARDS[name]
+    elif ":" in name:
+        fn = _resolve_dotted(name)
+        if not options:
+            return fn
+        factory = fn
+    else:
+        raise ValueError(f"unknown reward {name!r}; registered: {sorted(REWARDS)} (or 'pkg.mod:fn')")
+    _check_options(name, factory, options)
+    return factory(**options)
 
 
 def parse_mix(spec: str | dict[str, float]) -> dict[str, float]:
@@ -84,11 +158,22 @@ def parse_mix(spec: str | dict[str, float]) -> dict[str, float]:
 
 
 class Reward:
-    """A weighted mix of rewards; ``__call__`` returns the total ``(B,)`` and keeps the components."""
+    """A weighted mix of rewards; ``__call__`` returns the total ``(B,)`` and keeps the components.
 
-    def __init__(self, spec: str | dict[str, float]):
+    Args:
+        spec: a name, ``"pkg.mod:fn"``, ``"a=1,b=0.5"`` or ``{name: weight}``.
+        options: ``{reward_name: {option: value}}``; each reward's factory is called once with its entry.
+    """
+
+    def __init__(self, spec: str | dict[str, float], options: dict | None = None):
         self.weights = parse_mix(spec)
-        self.fns = {name: _resolve_one(name) for name in self.weights}
+        options = dict(options or {})
+        for name, opts in options.items():
+            if name not in self.weights:
+                raise ValueError(f"reward_options names {name!r}, which is not in the reward spec {spec!r}")
+            if not isinstance(opts, dict):
+                raise ValueError(f"reward_options[{name!r}] must be an object of options, got {opts!r}")
+        self.fns = {name: build_reward(name, options.get(name)) for name in self.weights}
         self.last_components: dict[str, torch.Tensor] = {}
 
     def __call__(self, images, prompts, metadata) -> torch.Tensor:
@@ -107,6 +192,4 @@ class Reward:
 
 def get_reward(spec: str | dict[str, float], options: dict | None = None) -> Reward:
     """Resolve a reward spec (name, 'pkg.mod:fn', or weighted mix); ``options`` are per-reward kwargs."""
-    if options:
-        raise ValueError(f"reward_options given for {sorted(options)}, but no reward here takes options")
-    return Reward(spec)
+    return Reward(spec, options)

@@ -1,0 +1,235 @@
+"""Pieces shared by the diffusers adapters (``sd3.py``, ``flux.py``): dtype and device choice, the
+prompt-encoding container, the base adapter (encode cache, VAE decode, schedule, LoRA export).
+
+Numerics: the transformer and text encoders run in the configured dtype (bf16 on GPUs); the VAE is
+kept in float32 (as Flow-GRPO does: cheap, and fp16/bf16 VAE decodes lose detail); everything the
+samplers see — latents, velocities, images — is float32 (SPEC §2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from flowcredit.schedule import resolution_shift_mu
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+
+
+def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
+    """``"auto"``/``None`` → bf16 on CUDA, float32 on CPU; else one of ``DTYPES``."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name in (None, "", "auto"):
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"config field 'dtype': {name!r} is not one of {sorted(DTYPES)} or 'auto'")
+    return DTYPES[name]
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def image_size(resolution, default: int, multiple: int) -> tuple[int, int]:
+    """``(H, W)`` in pixels from an int, a pair, or 0/None (``default``); each a multiple of ``multiple``."""
+    if not resolution:
+        resolution = default
+    h, w = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
+    if h % multiple or w % multiple:
+        raise ValueError(f"config field 'resolution': {h}×{w} must be a multiple of {multiple}")
+    return int(h), int(w)
+
+
+@dataclass
+class PromptCond:
+    """Encoded prompts: ``embeds (B, L, D)`` token embeddings, ``pooled (B, P)`` pooled embeddings.
+
+    ``null`` is the empty-prompt encoding with batch size 1 (the unconditional CFG branch; ``None``
+    for models without true CFG). ``cond[idx]`` selects rows (``idx``: LongTensor, slice or int);
+    ``null`` is shared by every selection.
+    """
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    null: PromptCond | None = None
+
+    def __len__(self) -> int:
+        return self.embeds.shape[0]
+
+    def __getitem__(self, idx) -> PromptCond:
+        if isinstance(idx, int):
+            idx = slice(idx, idx + 1)
+        if torch.is_tensor(idx):
+            idx = idx.to(self.embeds.device)
+        return PromptCond(self.embeds[idx], self.pooled[idx], self.null)
+
+    def expand(self, batch: int) -> PromptCond:
+        """A batch-1 encoding repeated to ``batch`` rows (views, no copy)."""
+        return PromptCond(self.embeds.expand(batch, -1, -1), self.pooled.expand(batch, -1), self.null)
+
+
+def decode_latents(vae, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Scaled latents ``(B, C, h, w)`` → images ``(B, 3, H, W)`` float32 in [0, 1] on ``x.device``.
+
+    Un-scales as diffusers' pipelines do, ``z = x / scaling_factor + shift_factor``, decodes in chunks
+    of ``chunk`` rows (a VAE decode at 1024² needs GBs of activations) and maps ``[-1, 1] → [0, 1]``.
+    """
+    scale = vae.config.scaling_factor
+    shift = vae.config.shift_factor or 0.0
+    dev, dtype = vae.device, vae.dtype
+    out = []
+    with torch.no_grad():
+        for lo in range(0, x.shape[0], chunk):
+            z = x[lo : lo + chunk].to(dev, dtype) / scale + shift
+            img = vae.decode(z, return_dict=False)[0]
+            out.append((img.float() / 2 + 0.5).clamp(0, 1).to(x.device))
+    return torch.cat(out)
+
+
+def scheduler_sigmas(scheduler, num_steps: int, sigmas=None, image_seq_len: int | None = None) -> torch.Tensor:
+    """The ``(N + 1,)`` float32 schedule diffusers' pipeline uses: ``scheduler.set_timesteps`` on a fresh
+    copy of ``scheduler`` (its shift, dynamic shifting, terminal stretch…), with FLUX's ``μ`` from
+    ``image_seq_len`` when the scheduler shifts dynamically. σ_0 = 1, σ_N = 0."""
+    fresh = type(scheduler).from_config(scheduler.config)
+    kwargs = {}
+    if fresh.config.get("use_dynamic_shifting", False):
+        c = fresh.config
+        kwargs["mu"] = resolution_shift_mu(
+            image_seq_len,
+            c.get("base_image_seq_len", 256),
+            c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5),
+            c.get("max_shift", 1.15),
+        )
+    if sigmas is not None:
+        fresh.set_timesteps(sigmas=sigmas, **kwargs)
+    else:
+        fresh.set_timesteps(num_steps, **kwargs)
+    out = fresh.sigmas.detach().to("cpu", torch.float32).clone()
+    if out.numel() != num_steps + 1:
+        raise ValueError(f"scheduler gave {out.numel() - 1} steps, asked for {num_steps}")
+    return out
+
+
+class DiffusersFlowModel:
+    """Base of the diffusers adapters; a subclass sets ``pipeline_name`` and implements ``_encode``
+    (prompts → ``PromptCond`` rows) and ``velocity``.
+
+    Attributes: ``pipe`` (the pipeline object, used as a container of components and for its
+    ``encode_prompt``; its ``__call__`` is never used), ``net`` (the transformer: what LoRA wraps and
+    what the trainer swaps for the reference copy), ``vae``, ``scheduler`` (for the schedule only),
+    ``latent_shape``, ``guidance_scale``, ``num_steps`` (the pipeline's default step count).
+    """
+
+    pipeline_name = ""  # the diffusers pipeline class, e.g. "StableDiffusion3Pipeline"
+    default_lora_targets = "to_q,to_k,to_v,to_out.0"  # attention projections (SPEC §7)
+    decode_chunk = 8
+
+    def __init__(self, pipe, height: int, width: int, latent_shape: tuple[int, int, int]):
+        self.pipe, self.net, self.vae, self.scheduler = pipe, pipe.transformer, pipe.vae, pipe.scheduler
+        self.pipeline_class = type(pipe)  # its save_lora_weights writes the LoRA file
+        self.height, self.width = height, width
+        self.latent_shape = latent_shape
+        self.num_steps = 28
+        self._cache: tuple[tuple[str, ...], PromptCond] | None = None
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.requires_grad_(False).eval()
+        if self.vae.dtype != torch.float32:
+            self.vae.to(torch.float32)
+
+    @classmethod
+    def from_pretrained(cls, checkpoint: str, dtype="auto", device=None, resolution=None, guidance_scale=None,
+                        **load_kwargs):
+        """Load a hub id or a local pipeline directory: weights in ``dtype`` (VAE in float32), on
+        ``device`` (CUDA if available); ``load_kwargs`` go to the pipeline's ``from_pretrained``
+        (``revision``, ``variant``, ``local_files_only``…)."""
+        import diffusers
+
+        pipeline_class = getattr(diffusers, cls.pipeline_name)
+        dtypes = {"default": resolve_dtype(dtype), "vae": torch.float32}
+        pipe = pipeline_class.from_pretrained(checkpoint, dtype=dtypes, **load_kwargs)
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, resolution, guidance_scale).to(device or default_device())
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.net.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.net.parameters()).dtype
+
+    def to(self, device: str | torch.device) -> DiffusersFlowModel:
+        self.pipe.to(device)
+        self.net.to(device)
+        self._cache = None
+        return self
+
+    def encode(self, prompts: list[str]) -> PromptCond:
+        """Encode ``B`` prompts once (frozen text encoders, no grad); a repeated call with the same list
+        (the trainer re-encodes per update step) returns the cached encoding."""
+        key = tuple(prompts)
+        if self._cache is None or self._cache[0] != key:
+            with torch.no_grad():
+                self._cache = (key, self._encode(list(prompts)))
+        return self._cache[1]
+
+    def _encode(self, prompts: list[str]) -> PromptCond:
+        raise NotImplementedError
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents ``(B, C, h, w)`` (our unpacked layout) → images ``(B, 3, H, W)`` float32 in [0, 1]."""
+        return decode_latents(self.vae, x, self.decode_chunk)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.net.parameters() if p.requires_grad]
+
+    def save_final(self, policy, directory: str | Path) -> None:
+        """Export the trained weights for plain diffusers.
+
+        LoRA: ``directory/pytorch_lora_weights.safetensors`` through the pipeline class's
+        ``save_lora_weights`` (with the LoRA config as metadata, so α/r survive the reload); load with
+        ``pipe.load_lora_weights(directory, weight_name="pytorch_lora_weights.safetensors")``.
+        Full fine-tuning: ``directory/transformer`` via ``save_pretrained``.
+        """
+        directory = Path(directory)
+        if getattr(policy, "lora_names", None):
+            save_lora(self.pipeline_class, self.net, directory)
+        else:
+            self.net.save_pretrained(str(directory / "transformer"))
+
+
+def save_lora(pipeline_class, net: torch.nn.Module, directory: Path, adapter: str = "default") -> Path:
+    """Write the peft LoRA of ``net`` in diffusers' format; returns the weights file."""
+    from peft.utils import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(net, adapter_name=adapter)
+    metadata = None
+    if hasattr(net, "peft_config") and adapter in net.peft_config:
+        metadata = net.peft_config[adapter].to_dict()
+    directory.mkdir(parents=True, exist_ok=True)
+    pipeline_class.save_lora_weights(
+        str(directory),
+        transformer_lora_layers={k: v.detach().cpu().contiguous() for k, v in state.items()},
+        transformer_lora_adapter_metadata=metadata,
+        weight_name=LORA_WEIGHTS,
+    )
+    return directory / LORA_WEIGHTS
+
+
+def cfg_value(cfg, name: str, default):
+    """``cfg.name`` if the field exists and is set (non-zero / non-empty), else ``default``."""
+    value = getattr(cfg, name, None)
+    return value if value not in (None, 0, 0.0, "") else default

@@ -1,0 +1,233 @@
+"""CLIP-based rewards from local weight directories: ``pickscore``, ``clipscore``, ``aesthetic``,
+``imagereward`` (an ImageReward-*style* head on CLIP features, not ImageReward itself).
+
+Every factory takes ``model_dir``: a directory written by ``CLIPModel.save_pretrained`` plus its
+tokenizer (``tokenizer.save_pretrained``) and, optionally, ``preprocessor_config.json`` (without it:
+CLIP's defaults at the model's image size). Nothing is ever downloaded. Images are preprocessed in
+torch, differentiably and without torchvision: resize (the processor's ``size``, bicubic with
+antialiasing), centre crop (``crop_size``), normalise (``image_mean``/``image_std``). With
+``e_img``, ``e_txt`` the L2-normalised projected embeddings:
+
+- ``pickscore``: ``logit_scale.exp() · cos(e_img, e_txt) / divisor`` (PickScore; Flow-GRPO uses divisor 26).
+- ``clipscore``: ``weight · max(cos(e_img, e_txt), 0)`` with ``weight = 2.5`` (Hessel et al. 2021; their
+  ``prefix`` is ``"A photo depicts "``, ours defaults to none).
+- ``aesthetic``: ``head(e_img)``; ``head`` is a stack of linear layers in a safetensors file, applied in
+  key order without activations: exactly the LAION aesthetic predictor v2 MLP (its ReLUs are commented
+  out, its Dropouts are identity at eval) once converted from ``.pth`` (docs/rewards.md).
+- ``imagereward``: ``(head(e_img ⊙ e_txt) − mean) / std``. ImageReward proper is a BLIP model whose text
+  encoder cross-attends to the image before its MLP head; here the elementwise product of CLIP
+  embeddings stands in for that fused feature (an all-ones head gives the cosine). Real ImageReward
+  weights do not load into it; serve the real model with ``flowcredit serve-reward --reward pkg.mod:fn``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _existing(reward: str, option: str, path, want_dir: bool) -> Path:
+    p = Path(path).expanduser() if path is not None else None
+    ok = p is not None and (p.is_dir() if want_dir else p.is_file())
+    if not ok:
+        kind = "directory" if want_dir else "file"
+        raise FileNotFoundError(
+            f"reward {reward!r}: option {option!r} = {str(path)!r} is not an existing {kind} "
+            "(weights are never downloaded; save them there first, see docs/rewards.md)"
+        )
+    return p
+
+
+def _size_hw(size, fallback: int) -> tuple[int, int] | int:
+    """Processor ``size``/``crop_size`` → ``(h, w)``, or an int shortest edge."""
+    if size is None:
+        return fallback
+    if isinstance(size, int):
+        return size
+    if "shortest_edge" in size:
+        return int(size["shortest_edge"])
+    return int(size["height"]), int(size["width"])
+
+
+def _preprocess_config(model_dir: Path, image_size: int) -> dict:
+    path = model_dir / "preprocessor_config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    crop = _size_hw(cfg.get("crop_size"), image_size)
+    return {
+        "resize": _size_hw(cfg.get("size"), image_size) if cfg.get("do_resize", True) else None,
+        "crop": (crop, crop) if isinstance(crop, int) else crop,
+        "do_crop": cfg.get("do_center_crop", True),
+        "mode": "bilinear" if cfg.get("resample", 3) == 2 else "bicubic",
+        "mean": cfg.get("image_mean", OPENAI_CLIP_MEAN) if cfg.get("do_normalize", True) else (0.0,) * 3,
+        "std": cfg.get("image_std", OPENAI_CLIP_STD) if cfg.get("do_normalize", True) else (1.0,) * 3,
+    }
+
+
+def preprocess(images: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """``images (B, 3, H, W)`` in [0, 1] → CLIP ``pixel_values (B, 3, h, w)``, as CLIPImageProcessor does."""
+    x = images.float()
+    if cfg["resize"] is not None:
+        h, w = x.shape[-2:]
+        if isinstance(cfg["resize"], int):  # shortest edge, aspect kept
+            s = cfg["resize"]
+            size = (s, int(s * w / h)) if h <= w else (int(s * h / w), s)
+        else:
+            size = cfg["resize"]
+        if tuple(size) != (h, w):
+            x = F.interpolate(x, size=size, mode=cfg["mode"], align_corners=False, antialias=True)
+        x = x.clamp(0, 1)  # bicubic overshoots; the PIL path clips at uint8
+    if cfg["do_crop"]:
+        ch, cw = cfg["crop"]
+        h, w = x.shape[-2:]
+        top, left = max((h - ch) // 2, 0), max((w - cw) // 2, 0)
+        x = x[..., top : top + ch, left : left + cw]
+    mean = torch.tensor(cfg["mean"], device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(cfg["std"], device=x.device).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+class ClipBundle:
+    """A frozen CLIP model, its tokenizer and preprocessing, on one device."""
+
+    def __init__(self, model_dir: Path, reward: str, device: str, dtype: torch.dtype):
+        from transformers import AutoTokenizer, CLIPModel
+
+        try:
+            self.model = CLIPModel.from_pretrained(model_dir, dtype=dtype).to(device).eval().requires_grad_(False)
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"reward {reward!r}: cannot load a CLIP model from {str(model_dir)!r}: {exc}") from exc
+        cfg = self.model.config
+        self.max_length = min(self.tokenizer.model_max_length, cfg.text_config.max_position_embeddings)
+        self.pre = _preprocess_config(model_dir, cfg.vision_config.image_size)
+        self.device, self.dtype = device, dtype
+
+    @torch.no_grad()
+    def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H, W)`` in [0, 1] → L2-normalised ``(B, D)`` float32."""
+        pixels = preprocess(images.to(self.device), self.pre).to(self.dtype)
+        pooled = self.model.vision_model(pixel_values=pixels).pooler_output
+        return F.normalize(self.model.visual_projection(pooled).float(), dim=-1)
+
+    @torch.no_grad()
+    def text_embeds(self, prompts: list[str]) -> torch.Tensor:
+        """``B`` prompts → L2-normalised ``(B, D)`` float32 (truncated to the model's length)."""
+        tok = self.tokenizer(
+            prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
+        out = self.model.text_model(
+            input_ids=tok["input_ids"].to(self.device), attention_mask=tok["attention_mask"].to(self.device)
+        )
+        return F.normalize(self.model.text_projection(out.pooler_output).float(), dim=-1)
+
+
+@functools.lru_cache(maxsize=4)
+def _bundle(model_dir: str, reward: str, device: str, dtype: str) -> ClipBundle:
+    return ClipBundle(Path(model_dir), reward, device, _DTYPES[dtype])
+
+
+def load_clip(reward: str, model_dir, device: str | None, dtype: str) -> ClipBundle:
+    """The cached :class:`ClipBundle` of ``model_dir``, with errors naming the reward and option."""
+    path = _existing(reward, "model_dir", model_dir, want_dir=True)
+    if dtype not in _DTYPES:
+        raise ValueError(f"reward {reward!r}: option 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return _bundle(str(path.resolve()), reward, device, dtype)
+
+
+def load_linear_head(reward: str, path, in_dim: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Linear layers ``[(W (out, in), b (out,) | None)]`` from a safetensors file, in natural key order.
+
+    Keys are ``<prefix>.weight`` / ``<prefix>.bias`` (e.g. LAION's ``layers.0 … layers.7``); the
+    first layer must take ``in_dim`` features and the last must output one.
+    """
+    from safetensors.torch import load_file
+
+    file = _existing(reward, "head_path", path, want_dir=False)
+    tensors = load_file(str(file))
+    prefixes = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")}
+    order = sorted(prefixes, key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.split(".")])
+    layers = [(tensors[p + ".weight"].float(), tensors.get(p + ".bias")) for p in order]
+    dims = [in_dim] + [w.shape[0] for w, _ in layers]
+    ok = bool(layers) and all(w.ndim == 2 and w.shape[1] == d for (w, _), d in zip(layers, dims))
+    if not ok or dims[-1] != 1:
+        shapes = [tuple(w.shape) for w, _ in layers]
+        raise ValueError(
+            f"reward {reward!r}: head {str(file)!r} must be linear layers from {in_dim} features to 1, "
+            f"got weight shapes {shapes}"
+        )
+    return [(w, None if b is None else b.float()) for w, b in layers]
+
+
+def _apply_head(layers, x: torch.Tensor) -> torch.Tensor:
+    """``x (B, D)`` → ``(B,)`` through the affine stack."""
+    for w, b in layers:
+        x = x @ w.to(x.device).T + (0 if b is None else b.to(x.device))
+    return x.squeeze(-1)
+
+
+def _batched(fn, images: torch.Tensor, prompts: list[str], batch_size: int) -> torch.Tensor:
+    if len(prompts) != images.shape[0]:
+        raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
+    outs = [fn(images[i : i + batch_size], prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
+    return torch.cat(outs).float().cpu() if outs else torch.zeros(0)
+
+
+def pickscore(*, model_dir, divisor: float = 1.0, device=None, dtype="float32", batch_size: int = 32):
+    """PickScore: ``logit_scale.exp() · cos(e_img, e_txt) / divisor`` → ``(B,)``."""
+    clip = load_clip("pickscore", model_dir, device, dtype)
+    scale = clip.model.logit_scale.exp().float().item()
+
+    def one(images, prompts):
+        return scale * (clip.image_embeds(images) * clip.text_embeds(prompts)).sum(-1) / divisor
+
+    return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
+
+
+def clipscore(*, model_dir, weight: float = 2.5, prefix: str = "", device=None, dtype="float32", batch_size=32):
+    """CLIPScore: ``weight · max(cos(e_img, e_txt(prefix + prompt)), 0)`` → ``(B,)``."""
+    clip = load_clip("clipscore", model_dir, device, dtype)
+
+    def one(images, prompts):
+        cos = (clip.image_embeds(images) * clip.text_embeds([prefix + p for p in prompts])).sum(-1)
+        return weight * cos.clamp(min=0)
+
+    return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
+
+
+def aesthetic(*, model_dir, head_path=None, device=None, dtype="float32", batch_size: int = 32):
+    """Aesthetic score ``head(e_img)`` → ``(B,)``; ``head_path`` defaults to ``model_dir/aesthetic_head.safetensors``."""
+    clip = load_clip("aesthetic", model_dir, device, dtype)
+    head_path = head_path if head_path is not None else Path(model_dir) / "aesthetic_head.safetensors"
+    head = load_linear_head("aesthetic", head_path, clip.model.config.projection_dim)
+
+    def one(images, prompts):
+        return _apply_head(head, clip.image_embeds(images))
+
+    return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
+
+
+def imagereward(
+    *, model_dir, head_path=None, mean: float = 0.0, std: float = 1.0, device=None, dtype="float32", batch_size=32
+):
+    """ImageReward-style ``(head(e_img ⊙ e_txt) − mean) / std`` → ``(B,)`` (see the module docstring).
+
+    ``head_path`` defaults to ``model_dir/imagereward_head.safetensors``. ImageReward normalises with
+    mean 0.16717362830052426, std 1.0333394966054072; pass your head's own statistics.
+    """
+    clip = load_clip("imagereward", model_dir, device, dtype)
+    head_path = head_path if head_path is not None else Path(model_dir) / "imagereward_head.safetensors"
+    head = load_linear_head("imagereward", head_path, clip.model.config.projection_dim)
+
+    def one(images, prompts):
+        return (_apply_head(head, clip.image_embeds(images) * clip.text_embeds(prompts)) - mean) / std
+
+    return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)

@@ -1,0 +1,175 @@
+"""The training loop end to end on the built-in task (small settings)."""
+
+import json
+
+import pytest
+import torch
+
+from flowcredit.config import PRESETS, Config, from_dict, load_config, validate
+from flowcredit.session import Session
+from flowcredit.train import grpo_iteration, train
+
+SMALL = dict(
+    iterations=2,
+    prompts_per_iter=2,
+    group_size=6,
+    num_train_prompts=4,
+    num_eval_prompts=2,
+    eval_samples_per_prompt=2,
+    eval_every=0,
+    num_steps=5,
+    window_size=0,
+    batch_size=12,
+)
+
+KEYS = [
+    "reward/mean",
+    "loss/policy",
+    "loss/kl",
+    "stats/clipfrac",
+    "stats/approx_kl",
+    "adv/abs_mean",
+    "nfe/rollout",
+    "nfe/values",
+    "nfe/train",
+    "stats/first_ratio_maxdev",
+]
+
+
+def small_config(preset: str, run_dir, **extra) -> Config:
+    cfg = from_dict({**SMALL, "run_dir": str(run_dir), **extra}, PRESETS[preset]())
+    if preset == "stepwise_grpo":
+        cfg.window_start = 1
+    return validate(cfg)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_preset_trains_through_the_one_loop(preset, tmp_path):
+    extra = {"calib_max_iters": 1, "calib_groups": 1} if preset == "dense_grpo" else {}
+    cfg = small_config(preset, tmp_path / "run", beta=0.01, **extra)
+    s = Session.open(cfg, resume=False)
+    before = {k: v.clone() for k, v in s.policy.trainable_state().items()}
+    metrics = [grpo_iteration(s, it) for it in range(2)]
+    after = s.policy.trainable_state()
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter moved"
+    assert set(before) and all("lora_" in k for k in before)
+    updated = [m for m in metrics if "stats/optimizer_steps" in m]
+    assert updated, "no iteration had a group with non-zero advantages"
+    for m in updated:
+        assert all(k in m for k in KEYS), sorted(set(KEYS) - set(m))
+        assert all(v == v for v in m.values()), m  # no NaN
+        assert m["stats/first_ratio_maxdev"] == 0.0  # first ratio after sampling is exactly 1
+    if preset == "dense_grpo":
+        assert (tmp_path / "run" / "psi.json").exists() and s.psi is not None
+
+
+def test_train_writes_artifacts_and_refuses_to_overwrite(tmp_path):
+    cfg = small_config("flow_grpo", tmp_path / "run")
+    summary = train(cfg)
+    run = tmp_path / "run"
+    for name in [
+        "metrics.jsonl",
+        "timings.jsonl",
+        "config.json",
+        "reward_curve.png",
+        "grid_start_test.png",
+        "grid_after_test.png",
+        "summary.json",
+        "final/model.safetensors",
+        "final/trainable.safetensors",
+        "checkpoint/state.json",
+    ]:
+        assert (run / name).exists(), name
+    assert list((run / "tb").iterdir())
+    assert summary["iterations"] == 2 and "before" in summary["test"]
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["iteration"] for x in lines] == [0, 1, 2]
+    with pytest.raises(FileExistsError, match="resume"):
+        train(cfg)
+
+
+def test_final_model_reloads_as_the_policy(tmp_path):
+    from flowcredit.models.tiny import TinyFlowModel
+
+    cfg = small_config("flow_grpo", tmp_path / "run", iterations=1, lr=0.05)
+    train(cfg)
+    s_final = TinyFlowModel.load(tmp_path / "run" / "final")
+    s = Session.open(validate(from_dict({**vars(cfg), "run_dir": str(tmp_path / "r2")})), resume=False)
+    s.policy.load_trainable_state(
+        __import__("safetensors.torch", fromlist=["load_file"]).load_file(
+            str(tmp_path / "run" / "final" / "trainable.safetensors")
+        )
+    )
+    x = torch.randn(2, *s.model.latent_shape, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.7, 0.3])
+    with torch.no_grad():
+        want = s.model.velocity(x, sigma, s.model.encode(["a red circle", "two blue squares"]))
+        got = s_final.velocity(x, sigma, s_final.encode(["a red circle", "two blue squares"]))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_nan_reward_names_reward_and_prompt(tmp_path):
+    cfg = small_config(
+        "flow_grpo",
+        tmp_path / "run",
+        reward="reward_fixtures:nan_for_red",
+        train_prompts="test",
+        num_train_prompts=0,
+    )
+    s = Session.open(cfg, resume=False)
+    s.train_metas = [m for m in s.train_metas if "red" in m["prompt"]][:2]
+    with pytest.raises(
+        ValueError, match=r"reward 'reward_fixtures:nan_for_red' returned nan for prompt '.*red"
+    ):
+        grpo_iteration(s, 0)
+
+
+def test_skip_bad_rewards_drops_and_counts_groups(tmp_path):
+    cfg = small_config(
+        "flow_grpo", tmp_path / "run", reward="reward_fixtures:nan_for_red", skip_bad_rewards=True
+    )
+    s = Session.open(cfg, resume=False)
+    red = [m for m in s.train_metas if "red" in m["prompt"]][:1]
+    other = [m for m in s.train_metas if "red" not in m["prompt"]][:1]
+    s.train_metas = red + other
+    counts = [grpo_iteration(s, it)["stats/bad_reward_groups"] for it in range(3)]
+    assert max(counts) >= 1
+
+
+def test_raising_reward_is_named(tmp_path):
+    cfg = small_config("flow_grpo", tmp_path / "run", reward="reward_fixtures:raises")
+    s = Session.open(cfg, resume=False)
+    with pytest.raises(RuntimeError, match="reward 'reward_fixtures:raises' failed on prompts like"):
+        grpo_iteration(s, 0)
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["--lr", "fast"], "lr"),
+        (["--learning_rate", "1e-3"], "learning_rate"),
+        (["--sampler", "euler"], "sampler"),
+        (["--sampler", "ode"], "sampler"),
+        (["--credit", "ppo"], "credit"),
+        (["--calibrate", "true"], "calibrate"),
+        (["--sampler", "cps", "--window_start", "0", "--window_size", "10"], "window_size"),
+        (["--sampler", "ddim_sde", "--window_start", "0"], "window_start"),
+        (["--group_size", "1"], "group_size"),
+        (["--train_params", "everything"], "train_params"),
+        (["--shared_noise", "maybe"], "shared_noise"),
+    ],
+)
+def test_config_errors_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        load_config("flow_grpo", None, overrides)
+
+
+def test_yaml_config_and_unknown_key(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("lr: 0.0003\ngroup_size: 4\ncredit: dense\n")
+    cfg = load_config("flow_grpo", str(good), ["--group_size", "6"])
+    assert cfg.lr == 3e-4 and cfg.group_size == 6 and cfg.credit == "dense"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grop_size: 4\n")
+    with pytest.raises(ValueError, match="unknown config key 'grop_size'"):
+        load_config("flow_grpo", str(bad))

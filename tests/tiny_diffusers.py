@@ -1,0 +1,166 @@
+"""Tiny random-config SD3 and FLUX.1 pipelines built offline and saved with ``save_pretrained``.
+
+Every component is constructed here (word-level tokenizers, 2-layer CLIP / T5 encoders, a 2-level
+VAE, a 1–2 layer transformer), so the adapters load them with ``from_pretrained(local_dir)`` exactly
+as they load a hub checkpoint. Images are 32×32; the VAE halves the side (latents 4×16×16). The VAE
+gets non-trivial ``scaling_factor`` / ``shift_factor`` so decoding must un-scale correctly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WORDS = "a an the of on in red green blue yellow square circle triangle photo cat dog text sign big small"
+MAX_LEN = 16
+SIZE = 32  # image side in pixels
+
+
+def tokenizer():
+    """A word-level ``PreTrainedTokenizerFast`` that adds BOS/EOS and pads to ``MAX_LEN``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[BOS]", "[EOS]"]
+    vocab = {w: i for i, w in enumerate(specials + WORDS.split())}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[BOS] $A [EOS]", special_tokens=[("[BOS]", 2), ("[EOS]", 3)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        model_max_length=MAX_LEN,
+    )
+
+
+def _clip_config(projection_dim: int = 32):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(WORDS.split()) + 4,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=MAX_LEN,
+        projection_dim=projection_dim,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
+
+
+def _t5(d_model: int = 64):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=len(WORDS.split()) + 4,
+            d_model=d_model,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            pad_token_id=0,
+            eos_token_id=3,
+        )
+    )
+
+
+def _vae():
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=SIZE,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.1,
+        scaling_factor=1.5,
+    )
+
+
+def build_sd3(directory: str | Path, seed: int = 0) -> Path:
+    """Save a tiny ``StableDiffusion3Pipeline`` (CLIP-L, CLIP-G, T5, shift 3) into ``directory``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=SIZE // 2,
+        patch_size=2,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        caption_projection_dim=32,
+        pooled_projection_dim=64,
+        out_channels=4,
+        pos_embed_max_size=32,
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(),
+        text_encoder=CLIPTextModelWithProjection(_clip_config()),
+        tokenizer=tokenizer(),
+        text_encoder_2=CLIPTextModelWithProjection(_clip_config()),
+        tokenizer_2=tokenizer(),
+        text_encoder_3=_t5(64),
+        tokenizer_3=tokenizer(),
+    )
+    pipe.save_pretrained(str(directory))
+    return Path(directory)
+
+
+def build_flux(directory: str | Path, seed: int = 0, guidance_embeds: bool = True) -> Path:
+    """Save a tiny ``FluxPipeline`` (CLIP pooled + T5, packed 2×2 latents, dynamic shift) into ``directory``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel
+
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=(4, 6, 6),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    pipe = FluxPipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=_vae(),
+        text_encoder=CLIPTextModel(_clip_config()),
+        tokenizer=tokenizer(),
+        text_encoder_2=_t5(64),
+        tokenizer_2=tokenizer(),
+    )
+    pipe.save_pretrained(str(directory))
+    return Path(directory)
