@@ -288,7 +288,18 @@ def tp_grpo() -> Config:
     )
 
 
+def demo() -> Config:
+    """The default CPU job (make demo): LoRA on the built-in model, 4 counting prompts, ≤ 12 minutes."""
+    from importlib import resources
+
+    prompts = str(resources.files("flowcredit") / "tasks" / "data" / "demo_prompts.jsonl")
+    return Config(sampler="flow_sde", noise_level=0.7, credit="flow_grpo", train_prompts=prompts,
+                  prompts_per_iter=4, group_size=12, window_size=5, steps_per_update=1, iterations=200,
+                  max_minutes=12.0, eval_every=5, num_eval_prompts=16, eval_samples_per_prompt=8)
+
+
 PRESETS = {
+    "demo": demo,
     "flow_grpo": flow_grpo,
     "dense_grpo": dense_grpo,
     "stepwise_grpo": stepwise_grpo,

@@ -47,8 +47,8 @@ class HTTPError(Exception):
         self.status = status
 
 
-def decode_png(data: str, max_pixels: int) -> np.ndarray:
-    """Base64 PNG → ``(H, W, 3)`` uint8; ``HTTPError`` 400 / 413 on bad or oversize input."""
+def open_png(data, max_pixels: int):
+    """Base64 PNG → a lazily decoded PIL image (header checked only); ``HTTPError`` 400 / 413."""
     from PIL import Image
 
     if not isinstance(data, str):
@@ -57,39 +57,49 @@ def decode_png(data: str, max_pixels: int) -> np.ndarray:
         img = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
     except (binascii.Error, ValueError, OSError) as exc:
         raise HTTPError(400, f"undecodable image: {exc}") from None
+    except Exception as exc:  # PIL's DecompressionBombError
+        raise HTTPError(413, f"image refused: {exc}") from None
     if img.format != "PNG":
         raise HTTPError(400, f"images must be PNG, got {img.format}")
     if img.width * img.height > max_pixels:  # checked before decompressing the pixels
         raise HTTPError(413, f"image of {img.width}x{img.height} exceeds {max_pixels} pixels")
+    return img
+
+
+def to_tensor(images: list) -> torch.Tensor:
+    """PIL images of one size → ``(B, 3, H, W)`` float32 in [0, 1]; ``HTTPError`` 400 if corrupt."""
     try:
-        return np.array(img.convert("RGB"))
+        arrays = [np.array(img.convert("RGB")) for img in images]
     except Exception as exc:  # truncated or corrupt pixel data
         raise HTTPError(400, f"undecodable image: {exc}") from None
+    return torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255.0
 
 
-def decode_request(body: bytes, max_pixels: int) -> tuple[torch.Tensor, list[str], list[dict]]:
-    """JSON body → ``images (B, 3, H, W)`` in [0, 1], ``prompts`` (B), ``metadata`` (B)."""
+def decode_request(body: bytes, max_pixels: int) -> tuple[list, list[str], list[dict]]:
+    """JSON body → ``images`` (B lazily decoded PIL images of one size), ``prompts`` (B), ``metadata`` (B)."""
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise HTTPError(400, f"body is not JSON: {exc}") from None
-    if not isinstance(req, dict) or not {"images", "prompts"} <= set(req) <= {"images", "prompts", "metadata"}:
+    if not isinstance(req, dict) or not {"images", "prompts"} <= set(req) <= {
+        "images",
+        "prompts",
+        "metadata",
+    }:
         raise HTTPError(400, 'body must be {"images": [...], "prompts": [...], "metadata": [...] (optional)}')
     images, prompts = req["images"], req["prompts"]
     metadata = req.get("metadata", [{} for _ in prompts] if isinstance(prompts, list) else None)
     if not (isinstance(images, list) and isinstance(prompts, list) and isinstance(metadata, list)):
         raise HTTPError(400, "images, prompts and metadata must be lists")
     if not (len(images) == len(prompts) == len(metadata)):
-        raise HTTPError(400, f"{len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata: must match")
+        counts = f"{len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata"
+        raise HTTPError(400, f"{counts}: must match")
     if not all(isinstance(p, str) for p in prompts) or not all(isinstance(m, dict) for m in metadata):
         raise HTTPError(400, "prompts must be strings and metadata objects")
-    arrays = [decode_png(s, max_pixels) for s in images]
-    if len({a.shape for a in arrays}) > 1:
-        raise HTTPError(400, f"all images must have one size, got {sorted({a.shape[:2] for a in arrays})}")
-    if not arrays:
-        return torch.zeros(0, 3, 1, 1), [], []
-    x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2).float() / 255.0
-    return x, prompts, metadata
+    pils = [open_png(s, max_pixels) for s in images]
+    if len({img.size for img in pils}) > 1:
+        raise HTTPError(400, f"all images must have one size, got {sorted({img.size for img in pils})}")
+    return pils, prompts, metadata
 
 
 class RewardServer(ThreadingHTTPServer):
@@ -97,8 +107,19 @@ class RewardServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, address, reward_fn, *, name="reward", token=None, max_body_bytes=64 << 20,
-                 max_batch=16, max_pixels=4096 * 4096, request_timeout=60.0, quiet=False):  # fmt: skip
+    def __init__(
+        self,
+        address,
+        reward_fn,
+        *,
+        name="reward",
+        token=None,
+        max_body_bytes=64 << 20,
+        max_batch=16,
+        max_pixels=2048 * 2048,
+        request_timeout=60.0,
+        quiet=False,
+    ):
         if max_batch < 1 or max_body_bytes < 1 or max_pixels < 1:
             raise ValueError("max_batch, max_body_bytes and max_pixels must be positive")
         self.reward_fn, self.name, self.quiet = reward_fn, name, quiet
@@ -108,13 +129,15 @@ class RewardServer(ThreadingHTTPServer):
         self.reward_lock = threading.Lock()
         super().__init__(address, RewardHandler)
 
-    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> list[float | None]:
-        """Rewards of ``(B, 3, H, W)`` in chunks of ``max_batch``; non-finite values become None."""
+    def score(self, images: list, prompts: list[str], metadata: list[dict]) -> list[float | None]:
+        """Rewards of B PIL images, decoded and scored in chunks of ``max_batch`` (bounding memory);
+        non-finite values become None."""
         out = []
         for i in range(0, len(prompts), self.max_batch):
             j = i + self.max_batch
+            chunk = to_tensor(images[i:j])
             with self.reward_lock:
-                value = self.reward_fn(images[i:j], prompts[i:j], metadata[i:j])
+                value = self.reward_fn(chunk, prompts[i:j], metadata[i:j])
             value = torch.as_tensor(value, dtype=torch.float32).reshape(-1).cpu()
             if value.shape[0] != len(prompts[i:j]):
                 raise RuntimeError(f"reward returned {value.shape[0]} values for {len(prompts[i:j])} images")
@@ -167,7 +190,10 @@ class RewardHandler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         if self.path == "/health":
-            self._send(200, {"status": "ok", "reward": self.server.name, "max_body_bytes": self.server.max_body_bytes})
+            self._send(
+                200,
+                {"status": "ok", "reward": self.server.name, "max_body_bytes": self.server.max_body_bytes},
+            )
         else:
             self._send(404, {"error": f"no such path {self.path!r}; GET /health, POST /score"})
 
@@ -206,10 +232,13 @@ class RewardHandler(BaseHTTPRequestHandler):
             images, prompts, metadata = decode_request(body, self.server.max_pixels)
             try:
                 rewards = self.server.score(images, prompts, metadata)
+            except HTTPError:
+                raise
             except ValueError as exc:
                 raise HTTPError(422, f"reward rejected the input: {exc}") from None
             except Exception as exc:
-                traceback.print_exc()
+                if not self.server.quiet:
+                    traceback.print_exc()
                 raise HTTPError(500, f"reward failed: {type(exc).__name__}: {exc}") from None
         except HTTPError as exc:
             return self._send(exc.status, {"error": str(exc)})
@@ -233,7 +262,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token", default=None, help=f"bearer token (prefer the env variable {TOKEN_ENV})")
     p.add_argument("--max-body-mb", type=float, default=64.0, help="largest request body, MiB")
     p.add_argument("--max-batch", type=int, default=16, help="images per reward call")
-    p.add_argument("--max-pixels", type=int, default=4096 * 4096, help="largest image, in pixels")
+    p.add_argument("--max-pixels", type=int, default=2048 * 2048, help="largest image, in pixels")
     p.add_argument("--reward-options", default="", help='JSON {"name": {"option": value}}, as reward_options')
     p.add_argument("--quiet", action="store_true", help="do not log each request")
     return p
@@ -244,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     token = args.token or os.environ.get(TOKEN_ENV) or None
     if token is None and not _is_loopback(args.host):
-        print(f"serve-reward: refusing to serve on {args.host} without a token (--token or {TOKEN_ENV})",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"serve-reward: refusing to serve on {args.host} without a token (--token or {TOKEN_ENV})",
+            file=sys.stderr,
+        )
         return 2
     try:
         options = json.loads(args.reward_options) if args.reward_options else None
@@ -254,9 +285,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     reward = get_reward(args.reward, options)
     server = RewardServer(
-        (args.host, args.port), reward, name=args.reward, token=token, quiet=args.quiet,
-        max_body_bytes=int(args.max_body_mb * (1 << 20)), max_batch=args.max_batch, max_pixels=args.max_pixels,
-    )  # fmt: skip
+        (args.host, args.port),
+        reward,
+        name=args.reward,
+        token=token,
+        quiet=args.quiet,
+        max_body_bytes=int(args.max_body_mb * (1 << 20)),
+        max_batch=args.max_batch,
+        max_pixels=args.max_pixels,
+    )
     host, port = server.server_address[:2]
     print(f"serving reward {args.reward!r} on http://{host}:{port} (POST /score, GET /health)", flush=True)
     try:

@@ -259,7 +259,7 @@ def evaluate_policy(s: Session, tag: str | None) -> dict:
     """
     out = {}
     sets = {"test": s.eval_metas}
-    if s.cfg.num_train_prompts:
+    if len(s.train_metas) <= 32:  # a small training set is evaluated too (did the trained prompts improve?)
         sets["train"] = s.train_metas
     for name, metas in sets.items():
         res = _eval_tables(s, metas, s.cfg.eval_seed, images=tag is not None)

@@ -235,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
         description="GRPO with step-level credit assignment. "
         "Any config field can be given as --field value (see flowcredit/config.py).",
     )
-    p.add_argument("--preset", default="flow_grpo", help="flow_grpo | dense_grpo | stepwise_grpo | tp_grpo")
+    p.add_argument("--preset", default="flow_grpo", help="demo | flow_grpo | dense_grpo | stepwise_grpo | tp_grpo")
     p.add_argument("--config", default=None, help="YAML file of config fields")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
     return p

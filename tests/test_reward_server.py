@@ -1,4 +1,4 @@
-"""Reward server and ``remote`` client on loopback: flowcredit/reward_server.py, flowcredit/rewards/remote.py."""
+"""Reward server and ``remote`` client on loopback: reward_server.py, rewards/remote.py."""
 
 import base64
 import http.client
@@ -35,8 +35,16 @@ class Probe:
 def served():
     """``(probe, port)``: a RewardServer in a thread on a free loopback port."""
     probe = Probe()
-    server = RewardServer(("127.0.0.1", 0), probe, name="probe", token=TOKEN, max_body_bytes=200_000,
-                          max_batch=2, max_pixels=64 * 64, quiet=True)  # fmt: skip
+    server = RewardServer(
+        ("127.0.0.1", 0),
+        probe,
+        name="probe",
+        token=TOKEN,
+        max_body_bytes=200_000,
+        max_batch=2,
+        max_pixels=64 * 64,
+        quiet=True,
+    )
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     yield probe, server.server_address[1]
@@ -66,8 +74,9 @@ def payload(n=3, size=16):
 def test_health_and_ok_with_batching(served):
     probe, port = served
     assert request(port, "GET", "/health", token=None) == (
-        200, {"status": "ok", "reward": "probe", "max_body_bytes": 200_000},
-    )  # fmt: skip
+        200,
+        {"status": "ok", "reward": "probe", "max_body_bytes": 200_000},
+    )
     images, body = payload(5)
     status, data = request(port, body=body)
     assert status == 200 and len(data["rewards"]) == 5
@@ -119,7 +128,12 @@ def test_oversize_image_and_mixed_sizes(served):
     assert request(port, body=big)[0] == 413
     _, small = payload(1, size=16)
     _, other = payload(1, size=24)
-    mixed = {**small, "images": small["images"] + other["images"], "prompts": ["a", "b"], "metadata": [{}, {}]}
+    mixed = {
+        **small,
+        "images": small["images"] + other["images"],
+        "prompts": ["a", "b"],
+        "metadata": [{}, {}],
+    }
     assert request(port, body=mixed)[0] == 400
 
 
@@ -163,14 +177,18 @@ def test_round_trip_matches_local_reward():
 def test_client_retries_5xx_then_succeeds_and_sends_metadata(served):
     probe, port = served
     probe.fail_next = [RuntimeError("transient"), RuntimeError("transient")]
-    remote = get_reward("remote", {"remote": {"url": f"http://127.0.0.1:{port}/", "token": TOKEN, "backoff": 0.01}})
+    remote = get_reward(
+        "remote", {"remote": {"url": f"http://127.0.0.1:{port}/", "token": TOKEN, "backoff": 0.01}}
+    )
     got = remote(torch.zeros(1, 3, 8, 8), ["abc"], [{"bonus": 10}])
     assert got.tolist() == [13.0] and probe.batches == [1, 1, 1]
 
 
 def test_client_does_not_retry_4xx(served):
     probe, port = served
-    remote = get_reward("remote", {"remote": {"url": f"http://127.0.0.1:{port}", "token": "bad", "backoff": 5}})
+    remote = get_reward(
+        "remote", {"remote": {"url": f"http://127.0.0.1:{port}", "token": "bad", "backoff": 5}}
+    )
     start = time.monotonic()
     with pytest.raises(RemoteRewardError, match=rf"127.0.0.1:{port}/score.*401"):
         remote(torch.zeros(1, 3, 8, 8), ["a"], [{}])
@@ -183,7 +201,9 @@ def test_client_names_url_after_last_try():
     with socket.socket() as s:  # a port with nobody listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    remote = get_reward("remote", {"remote": {"url": f"http://127.0.0.1:{port}", "retries": 2, "backoff": 0.01}})
+    remote = get_reward(
+        "remote", {"remote": {"url": f"http://127.0.0.1:{port}", "retries": 2, "backoff": 0.01}}
+    )
     with pytest.raises(RemoteRewardError, match=rf"127.0.0.1:{port}/score failed after 3 tries"):
         remote(torch.zeros(1, 3, 8, 8), ["a"], [{}])
 
@@ -209,3 +229,46 @@ def test_png_encoding_is_exact_for_8bit_images():
     x = torch.randint(0, 256, (3, 5, 7)).float() / 255
     arr = torch.from_numpy(__import__("numpy").array(Image.open(io.BytesIO(base64.b64decode(encode_png(x))))))
     assert torch.equal(arr.permute(2, 0, 1).float() / 255, x)
+
+
+def test_truncated_png_is_400(served):
+    _, port = served
+    _, body = payload(1, size=32)
+    raw = base64.b64decode(body["images"][0])
+    body["images"] = [base64.b64encode(raw[: len(raw) // 2]).decode()]  # header intact, pixels cut
+    status, data = request(port, body=body)
+    assert status == 400 and "undecodable" in data["error"]
+    assert request(port, body=payload(1)[1])[0] == 200
+
+
+def test_cli_serves_until_terminated(monkeypatch):
+    import subprocess
+    import sys
+    import urllib.request
+
+    monkeypatch.setenv("FLOWCREDIT_REWARD_TOKEN", TOKEN)  # read by the server and by the client
+    cmd = [
+        sys.executable,
+        "-m",
+        "flowcredit",
+        "serve-reward",
+        "--reward",
+        "jpeg_compressibility",
+        "--port",
+        "0",
+    ]
+    proc = subprocess.Popen(cmd + ["--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving reward 'jpeg_compressibility' on http://127.0.0.1:" in line, proc.stderr.read()
+        url = line.split(" on ")[1].split()[0]
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            assert json.loads(r.read())["reward"] == "jpeg_compressibility"
+        remote = get_reward("remote", {"remote": {"url": url}})
+        assert remote(torch.zeros(1, 3, 8, 8), ["a"], [{}]).shape == (1,)
+        monkeypatch.delenv("FLOWCREDIT_REWARD_TOKEN")
+        with pytest.raises(RemoteRewardError, match="401"):
+            get_reward("remote", {"remote": {"url": url}})(torch.zeros(1, 3, 8, 8), ["a"], [{}])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -23,20 +23,49 @@ def save_tiny_clip(path, image_size=32, projection_dim=8):
         single="<bos> $A <eos>", special_tokens=[("<bos>", 2), ("<eos>", 3)]
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", bos_token="<bos>", eos_token="<eos>",
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        bos_token="<bos>",
+        eos_token="<eos>",
         model_max_length=16,
-    )  # fmt: skip
-    text = dict(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=16, pad_token_id=0, bos_token_id=2,
-                eos_token_id=3, projection_dim=projection_dim)  # fmt: skip
-    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=image_size, patch_size=8, projection_dim=projection_dim)  # fmt: skip
+    )
+    text = dict(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+        projection_dim=projection_dim,
+    )
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=image_size,
+        patch_size=8,
+        projection_dim=projection_dim,
+    )
     torch.manual_seed(0)
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)).save_pretrained(path)
+    CLIPModel(
+        CLIPConfig(text_config=text, vision_config=vision, projection_dim=projection_dim)
+    ).save_pretrained(path)
     fast.save_pretrained(path)
-    pre = {"do_resize": True, "size": {"shortest_edge": image_size}, "do_center_crop": True,
-           "crop_size": {"height": image_size, "width": image_size}, "resample": 3, "do_normalize": True,
-           "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}  # fmt: skip
+    pre = {
+        "do_resize": True,
+        "size": {"shortest_edge": image_size},
+        "do_center_crop": True,
+        "crop_size": {"height": image_size, "width": image_size},
+        "resample": 3,
+        "do_normalize": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }
     (path / "preprocessor_config.json").write_text(json.dumps(pre))
     return path
 
@@ -115,7 +144,9 @@ def test_missing_dir_names_reward_option_and_path(tmp_path):
 
 def test_missing_head_names_option_and_path(clip_dir):
     with pytest.raises(FileNotFoundError, match=r"aesthetic.*head_path.*nohead"):
-        get_reward("aesthetic", {"aesthetic": {"model_dir": str(clip_dir), "head_path": str(clip_dir / "nohead")}})
+        get_reward(
+            "aesthetic", {"aesthetic": {"model_dir": str(clip_dir), "head_path": str(clip_dir / "nohead")}}
+        )
 
 
 def test_head_of_wrong_width_is_rejected(clip_dir, tmp_path):

@@ -16,7 +16,9 @@ def test_target_is_first_quoted_text_without_spaces_lower_case():
         ocr_target('a sign saying ""')
 
 
-@pytest.mark.parametrize(("a", "b", "d"), [("", "", 0), ("abc", "", 3), ("kitten", "sitting", 3), ("hello", "help", 2)])
+@pytest.mark.parametrize(
+    ("a", "b", "d"), [("", "", 0), ("abc", "", 3), ("kitten", "sitting", 3), ("hello", "help", 2)]
+)
 def test_levenshtein(a, b, d):
     assert levenshtein(a, b) == d == levenshtein(b, a)
 
@@ -32,7 +34,9 @@ def _text_image(text: str, size: int = 256) -> torch.Tensor:
     from PIL import Image, ImageDraw, ImageFont
 
     img = Image.new("RGB", (size, size), "white")
-    ImageDraw.Draw(img).text((size // 8, size // 2 - 30), text, fill="black", font=ImageFont.load_default(size=56))
+    ImageDraw.Draw(img).text(
+        (size // 8, size // 2 - 30), text, fill="black", font=ImageFont.load_default(size=56)
+    )
     return torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255.0
 
 

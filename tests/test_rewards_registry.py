@@ -8,7 +8,6 @@ import torch
 
 from flowcredit.rewards import REWARDS, Reward, get_reward, parse_mix
 
-
 USER_MODULE = """
 def scaled(images, prompts, metadata):
     return images.mean(dim=(1, 2, 3))
@@ -31,8 +30,17 @@ IMAGES = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
 
 
 def test_registry_names():
-    expected = {"shapes", "jpeg_compressibility", "jpeg_incompressibility", "ocr", "pickscore", "clipscore",
-                "aesthetic", "imagereward", "remote"}  # fmt: skip
+    expected = {
+        "shapes",
+        "jpeg_compressibility",
+        "jpeg_incompressibility",
+        "ocr",
+        "pickscore",
+        "clipscore",
+        "aesthetic",
+        "imagereward",
+        "remote",
+    }
     assert expected <= set(REWARDS)
     assert all(callable(f) for f in REWARDS.values())
 

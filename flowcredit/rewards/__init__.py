@@ -123,7 +123,7 @@ def _check_options(name: str, factory: Callable, options: dict) -> None:
     for n in accepted:
         if params[n].default is inspect.Parameter.empty and n not in options:
             raise ValueError(
-                f"reward {name!r} needs option {n!r}: reward_options='{{\"{name}\": {{\"{n}\": ...}}}}'"
+                f'reward {name!r} needs option {n!r}: reward_options=\'{{"{name}": {{"{n}": ...}}}}\''
             )
 
 

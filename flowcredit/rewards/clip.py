@@ -101,10 +101,14 @@ class ClipBundle:
         from transformers import AutoTokenizer, CLIPModel
 
         try:
-            self.model = CLIPModel.from_pretrained(model_dir, dtype=dtype).to(device).eval().requires_grad_(False)
+            self.model = (
+                CLIPModel.from_pretrained(model_dir, dtype=dtype).to(device).eval().requires_grad_(False)
+            )
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"reward {reward!r}: cannot load a CLIP model from {str(model_dir)!r}: {exc}") from exc
+            raise ValueError(
+                f"reward {reward!r}: cannot load a CLIP model from {str(model_dir)!r}: {exc}"
+            ) from exc
         cfg = self.model.config
         self.max_length = min(self.tokenizer.model_max_length, cfg.text_config.max_position_embeddings)
         self.pre = _preprocess_config(model_dir, cfg.vision_config.image_size)
@@ -154,7 +158,9 @@ def load_linear_head(reward: str, path, in_dim: int) -> list[tuple[torch.Tensor,
     file = _existing(reward, "head_path", path, want_dir=False)
     tensors = load_file(str(file))
     prefixes = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")}
-    order = sorted(prefixes, key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.split(".")])
+    order = sorted(
+        prefixes, key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.split(".")]
+    )
     layers = [(tensors[p + ".weight"].float(), tensors.get(p + ".bias")) for p in order]
     dims = [in_dim] + [w.shape[0] for w, _ in layers]
     ok = bool(layers) and all(w.ndim == 2 and w.shape[1] == d for (w, _), d in zip(layers, dims))
@@ -177,7 +183,10 @@ def _apply_head(layers, x: torch.Tensor) -> torch.Tensor:
 def _batched(fn, images: torch.Tensor, prompts: list[str], batch_size: int) -> torch.Tensor:
     if len(prompts) != images.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
-    outs = [fn(images[i : i + batch_size], prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
+    outs = [
+        fn(images[i : i + batch_size], prompts[i : i + batch_size])
+        for i in range(0, len(prompts), batch_size)
+    ]
     return torch.cat(outs).float().cpu() if outs else torch.zeros(0)
 
 
@@ -192,7 +201,9 @@ def pickscore(*, model_dir, divisor: float = 1.0, device=None, dtype="float32", 
     return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
 
 
-def clipscore(*, model_dir, weight: float = 2.5, prefix: str = "", device=None, dtype="float32", batch_size=32):
+def clipscore(
+    *, model_dir, weight: float = 2.5, prefix: str = "", device=None, dtype="float32", batch_size=32
+):
     """CLIPScore: ``weight · max(cos(e_img, e_txt(prefix + prompt)), 0)`` → ``(B,)``."""
     clip = load_clip("clipscore", model_dir, device, dtype)
 
@@ -204,7 +215,10 @@ def clipscore(*, model_dir, weight: float = 2.5, prefix: str = "", device=None, 
 
 
 def aesthetic(*, model_dir, head_path=None, device=None, dtype="float32", batch_size: int = 32):
-    """Aesthetic score ``head(e_img)`` → ``(B,)``; ``head_path`` defaults to ``model_dir/aesthetic_head.safetensors``."""
+    """Aesthetic score ``head(e_img)`` → ``(B,)``.
+
+    ``head_path`` defaults to ``model_dir/aesthetic_head.safetensors``.
+    """
     clip = load_clip("aesthetic", model_dir, device, dtype)
     head_path = head_path if head_path is not None else Path(model_dir) / "aesthetic_head.safetensors"
     head = load_linear_head("aesthetic", head_path, clip.model.config.projection_dim)
@@ -216,7 +230,14 @@ def aesthetic(*, model_dir, head_path=None, device=None, dtype="float32", batch_
 
 
 def imagereward(
-    *, model_dir, head_path=None, mean: float = 0.0, std: float = 1.0, device=None, dtype="float32", batch_size=32
+    *,
+    model_dir,
+    head_path=None,
+    mean: float = 0.0,
+    std: float = 1.0,
+    device=None,
+    dtype="float32",
+    batch_size=32,
 ):
     """ImageReward-style ``(head(e_img ⊙ e_txt) − mean) / std`` → ``(B,)`` (see the module docstring).
 

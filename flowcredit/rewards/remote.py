@@ -61,7 +61,9 @@ def _error_text(exc: urllib.error.HTTPError) -> str:
         return ""
 
 
-def post_with_retries(endpoint: str, body: bytes, token, timeout: float, retries: int, backoff: float) -> dict:
+def post_with_retries(
+    endpoint: str, body: bytes, token, timeout: float, retries: int, backoff: float
+) -> dict:
     """POST ``body``; retry connection errors, timeouts and 5xx; raise :class:`RemoteRewardError`."""
     last = ""
     for attempt in range(retries + 1):
@@ -80,7 +82,9 @@ def post_with_retries(endpoint: str, body: bytes, token, timeout: float, retries
     raise RemoteRewardError(f"reward server {endpoint} failed after {retries + 1} tries; last error: {last}")
 
 
-def remote(*, url: str, token: str | None = None, timeout: float = 300.0, retries: int = 3, backoff: float = 1.0):
+def remote(
+    *, url: str, token: str | None = None, timeout: float = 300.0, retries: int = 3, backoff: float = 1.0
+):
     """Factory of the ``remote`` reward.
 
     Args:
@@ -103,11 +107,15 @@ def remote(*, url: str, token: str | None = None, timeout: float = 300.0, retrie
         try:
             body = json.dumps(payload, allow_nan=False).encode()
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"reward 'remote': metadata must be plain JSON (no NaN, no objects): {exc}") from exc
+            raise ValueError(
+                f"reward 'remote': metadata must be plain JSON (no NaN, no objects): {exc}"
+            ) from exc
         answer = post_with_retries(endpoint, body, token, timeout, retries, backoff)
         values = answer.get("rewards") if isinstance(answer, dict) else None
         if not isinstance(values, list) or len(values) != images.shape[0]:
-            raise RemoteRewardError(f"reward server {endpoint} answered {answer!r:.200} for {images.shape[0]} images")
+            raise RemoteRewardError(
+                f"reward server {endpoint} answered {answer!r:.200} for {images.shape[0]} images"
+            )
         return torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
 
     return reward
