@@ -74,9 +74,10 @@ def calibrate_session(s) -> torch.Tensor:
     print(
         f"calibrate: {'converged' if res.converged else 'stopped at the cap'} after {res.iterations} rounds"
     )
-    (Path(cfg.run_dir) / "calibration.json").write_text(
-        json.dumps({"psi": res.psi.tolist(), "converged": res.converged, "history": res.history}) + "\n"
-    )
+    if s.dist.is_main:
+        (Path(cfg.run_dir) / "calibration.json").write_text(
+            json.dumps({"psi": res.psi.tolist(), "converged": res.converged, "history": res.history}) + "\n"
+        )
     return res.psi
 
 

@@ -18,6 +18,7 @@ import torch
 
 from flowcredit.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from flowcredit.config import Config
+from flowcredit.distributed import Dist
 from flowcredit.policy import EMA, Policy
 from flowcredit.rewards import Reward, get_reward
 from flowcredit.schedule import sigmas as make_sigmas
@@ -87,6 +88,7 @@ class Session:
     train_metas: list[dict]
     eval_metas: list[dict]
     psi: torch.Tensor | None = None
+    dist: Dist | None = None
     start_iteration: int = 0
     history: dict = field(default_factory=dict)
 
@@ -118,15 +120,25 @@ class Session:
     def open(cls, cfg: Config, resume: bool) -> Session:
         from flowcredit.train import noise_levels
 
-        torch.set_num_threads(cfg.threads)
-        run_dir = Path(cfg.run_dir)
-        if not resume and run_dir.exists() and any(run_dir.iterdir()):
-            raise FileExistsError(
-                f"run_dir {str(run_dir)!r} exists and is not empty; use "
-                f"'flowcredit train --resume {run_dir}' or another --run_dir"
+        dist = Dist()
+        torch.set_num_threads(cfg.threads if dist.world == 1 else max(1, cfg.threads // dist.world))
+        if cfg.prompts_per_iter % dist.world:
+            raise ValueError(
+                f"config field 'prompts_per_iter' ({cfg.prompts_per_iter}) must be divisible "
+                f"by the number of processes ({dist.world})"
             )
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        if cfg.global_std and dist.world > 1:
+            raise ValueError("config field 'global_std' is not supported with several processes yet")
+        run_dir = Path(cfg.run_dir)
+        if dist.is_main:
+            if not resume and run_dir.exists() and any(run_dir.iterdir()):
+                raise FileExistsError(
+                    f"run_dir {str(run_dir)!r} exists and is not empty; use "
+                    f"'flowcredit train --resume {run_dir}' or another --run_dir"
+                )
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+        dist.barrier()
         model = load_model(cfg)
         policy = Policy(
             model,
@@ -158,6 +170,7 @@ class Session:
             load_prompt_set(cfg.train_prompts, cfg.num_train_prompts, spread=False),
             load_prompt_set(cfg.eval_prompts, cfg.num_eval_prompts, spread=True),
         )
+        s.dist = dist
         ckpt = find_checkpoint(run_dir) if resume else None
         if resume and ckpt is None:
             raise FileNotFoundError(f"--resume {str(run_dir)!r}: no checkpoint in that run directory")
@@ -169,7 +182,7 @@ class Session:
             from flowcredit.calibrate_cmd import calibrate_session
 
             s.psi = calibrate_session(s)
-        if s.psi is not None:
+        if s.psi is not None and dist.is_main:
             (run_dir / "psi.json").write_text(json.dumps({"psi": s.psi.tolist()}) + "\n")
         s.levels, s.trained = noise_levels(cfg, s.psi)
         return s

@@ -50,30 +50,32 @@ def noise_levels(cfg: Config, psi: torch.Tensor | None) -> tuple[torch.Tensor, t
     return levels, trained
 
 
+def local_batch(s: Session, it: int):
+    """This iteration's prompts and this rank's rows (whole groups): ``metas, prompts, rows (b,), x0``.
+
+    The prompt draw and the initial noise of all ``B`` rows are the same on every rank, so a run on
+    k processes samples exactly the rows of a single-process run.
+    """
+    cfg, world, rank = s.cfg, s.dist.world, s.dist.rank
+    pick = torch.randint(len(s.train_metas), (cfg.prompts_per_iter,), generator=seeded(cfg.seed, it, 0))
+    per_rank = cfg.prompts_per_iter // world
+    metas = [s.train_metas[i] for i in pick[rank * per_rank : (rank + 1) * per_rank].tolist()]
+    rows_all = torch.arange(cfg.prompts_per_iter).repeat_interleave(cfg.group_size)  # (B,) prompt of each row
+    n_noise = cfg.prompts_per_iter if cfg.shared_noise else len(rows_all)
+    x0 = torch.randn((n_noise, *s.model.latent_shape), generator=seeded(cfg.seed, it, 1))
+    x0 = x0[rows_all] if cfg.shared_noise else x0
+    mine = (rows_all >= rank * per_rank) & (rows_all < (rank + 1) * per_rank)
+    return metas, [m["prompt"] for m in metas], rows_all[mine] - rank * per_rank, x0[mine]
+
+
 def grpo_iteration(s: Session, it: int) -> dict:
     """One iteration: rollout, values, advantages, PPO update. Returns its metrics."""
     cfg, model = s.cfg, s.model
-    pick = torch.randint(len(s.train_metas), (cfg.prompts_per_iter,), generator=seeded(cfg.seed, it, 0))
-    metas = [s.train_metas[i] for i in pick.tolist()]
-    prompts = [m["prompt"] for m in metas]
-    rows = torch.arange(cfg.prompts_per_iter).repeat_interleave(cfg.group_size)  # (B,) prompt of each row
-    n_noise = cfg.prompts_per_iter if cfg.shared_noise else len(rows)
-    x0 = torch.randn((n_noise, *model.latent_shape), generator=seeded(cfg.seed, it, 1))
-    x0 = x0[rows] if cfg.shared_noise else x0
+    metas, prompts, rows, x0 = local_batch(s, it)
     with torch.no_grad():
         cond = model.encode(prompts)
-    ro = rollout(
-        model,
-        cond,
-        rows,
-        x0,
-        s.sigmas,
-        s.levels,
-        s.step_fn,
-        seeded(cfg.seed, it, 2),
-        cfg.logp_mode,
-        cfg.batch_size,
-    )
+    sde_gen = seeded(cfg.seed + 7919 * s.dist.rank, it, 2)
+    ro = rollout(model, cond, rows, x0, s.sigmas, s.levels, s.step_fn, sde_gen, cfg.logp_mode, cfg.batch_size)
     score = make_score_fn(s.reward, cfg.reward, prompts, metas, rows, cfg.skip_bad_rewards)
     values, nfe_values = state_values(
         model,
@@ -96,10 +98,12 @@ def grpo_iteration(s: Session, it: int) -> dict:
         adv[ok] = ADVANTAGES[cfg.credit](values[ok], rows[ok], s.trained, **s.adv_opts)
     live_groups = torch.unique(rows[(adv != 0).any(dim=1)])
     keep = torch.nonzero(torch.isin(rows, live_groups), as_tuple=True)[0]
-    stats = ppo_update(s, ro, adv, prompts, rows, keep, seeded(cfg.seed, it, 3)) if len(keep) else {}
+    stats = ppo_update(s, ro, adv, prompts, rows, keep, seeded(cfg.seed, it, 3))
     final = values[ok, -1]
+    total = s.dist.sum_(torch.tensor([final.sum().item(), float(len(final))], dtype=torch.float64))
+    per_row = len(rows) * s.dist.world * s.cfg_mult
     return {
-        "reward/mean": final.mean().item() if len(final) else math.nan,
+        "reward/mean": (total[0] / total[1]).item() if total[1] else math.nan,
         "reward/std": final.std(unbiased=False).item() if len(final) else math.nan,
         **{
             f"reward/{k}": v[: len(rows)][ok].mean().item()
@@ -107,11 +111,12 @@ def grpo_iteration(s: Session, it: int) -> dict:
             if len(s.reward.fns) > 1
         },
         "adv/abs_mean": adv[:, s.trained].abs().mean().item(),
-        "stats/zero_std_groups": cfg.prompts_per_iter - len(live_groups) - len(bad_groups),
+        "stats/zero_std_groups": len(torch.unique(rows)) - len(live_groups) - len(bad_groups),
         "stats/bad_reward_groups": len(bad_groups),
-        "nfe/rollout": len(rows) * cfg.num_steps * s.cfg_mult,
-        "nfe/values": nfe_values * s.cfg_mult,
+        "nfe/rollout": per_row * cfg.num_steps,
+        "nfe/values": nfe_values * s.dist.world * s.cfg_mult,
         "nfe/train": len(keep)
+        * s.dist.world
         * int(s.trained.sum())
         * cfg.inner_epochs
         * s.cfg_mult
@@ -132,24 +137,26 @@ def ppo_update(s: Session, ro, adv, prompts, rows, keep, gen) -> dict:
         "stats/ratio_mean": 0.0,
         "stats/grad_norm": 0.0,
     }
-    count, updates = 0, 0
+    count, updates, first_dev = 0, 0, None
+    n_rows = int(s.dist.sum_(torch.tensor(float(len(keep)))).item())  # kept rows over all ranks
+    if n_rows == 0:
+        return {}
     for _ in range(cfg.inner_epochs):
         order = steps[torch.randperm(len(steps), generator=gen)]
         for start in range(0, len(order), cfg.steps_per_update):
             window = order[start : start + cfg.steps_per_update]
             for i in window.tolist():
-                cond = model.encode(prompts)  # under grad: the text encoder may train
+                cond = model.encode(prompts) if len(keep) else None  # under grad: the text encoder may train
                 for lo in range(0, len(keep), cfg.batch_size):
                     r = keep[lo : lo + cfg.batch_size]
-                    weight = len(r) / len(keep) / len(window)
-                    out = step_loss(s, ro, adv, prompts, cond, rows, r, i, weight)
-                    if count == 0:  # before any optimizer step: must be exactly 1 (same model, same geometry)
+                    out = step_loss(s, ro, adv, prompts, cond, rows, r, i, len(r) / n_rows / len(window))
+                    if first_dev is None:  # before any optimizer step: exactly 1 (same model, same geometry)
                         first_dev = out["stats/ratio_maxdev"]
                     for key, value in out.items():
                         totals[key] = totals.get(key, 0.0) + value
                     count += 1
-            norm = torch.nn.utils.clip_grad_norm_(s.params, cfg.max_grad_norm)
-            totals["stats/grad_norm"] += norm.item()
+            s.dist.sync_grads(s.params)
+            totals["stats/grad_norm"] += torch.nn.utils.clip_grad_norm_(s.params, cfg.max_grad_norm).item()
             s.optimizer.step()
             s.optimizer.zero_grad(set_to_none=True)
             if s.ema is not None:
@@ -158,7 +165,11 @@ def ppo_update(s: Session, ro, adv, prompts, rows, keep, gen) -> dict:
     out = {k: v / max(count, 1) for k, v in totals.items() if k != "stats/grad_norm"}
     out["stats/grad_norm"] = totals["stats/grad_norm"] / max(updates, 1)
     out["stats/optimizer_steps"] = updates
-    out["stats/first_ratio_maxdev"] = first_dev
+    if first_dev is not None:
+        out["stats/first_ratio_maxdev"] = first_dev
+    if s.dist.world > 1:  # every rank must hold the same weights
+        flat = torch.cat([p.detach().reshape(-1) for p in s.params])[None]
+        out["dist/param_maxdiff"] = (s.dist.gather_rows(flat) - flat).abs().max().item()
     return out
 
 
@@ -191,42 +202,51 @@ def step_loss(s: Session, ro, adv, prompts, cond, rows, r, i: int, weight: float
 
 
 def train(cfg: Config, resume: bool = False) -> dict:
-    """Run (or resume) training in ``cfg.run_dir``; returns the end-of-run summary."""
+    """Run (or resume) training in ``cfg.run_dir``; returns the end-of-run summary (rank 0)."""
     s = Session.open(cfg, resume)
+    main = s.dist.is_main  # rank 0 alone evaluates and writes the run directory
     interrupted = {"flag": False}
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
-    t_start, log = time.time(), RunLog(s.run_dir, s.start_iteration if resume else None)
+    t_start = time.time()
+    log = RunLog(s.run_dir, s.start_iteration if resume else None) if main else None
     try:
-        if s.start_iteration == 0:
+        if s.start_iteration == 0 and main:
             log.log(0, evaluate_policy(s, "start"))
+        its = range(s.start_iteration, cfg.iterations)
         bar = tqdm(
-            range(s.start_iteration, cfg.iterations),
+            its,
             initial=s.start_iteration,
             total=cfg.iterations,
             desc=f"train {cfg.credit}",
             dynamic_ncols=True,
             file=sys.stdout,
+            disable=not main,
         )
         for it in bar:
             t0 = time.time()
             metrics = grpo_iteration(s, it)
             done = it + 1
-            out_of_time = cfg.max_minutes and (time.time() - t_start) / 60 >= cfg.max_minutes
-            last = done == cfg.iterations or interrupted["flag"] or out_of_time
-            if (cfg.eval_every and done % cfg.eval_every == 0) or last:
-                metrics.update(evaluate_policy(s, "after" if last else None))
-            log.log(done, metrics, {"time/iteration_s": time.time() - t0})
-            bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}"})
-            if done % cfg.save_every == 0 or last:
-                s.save(done)
+            out_of_time = bool(cfg.max_minutes) and (time.time() - t_start) / 60 >= cfg.max_minutes
+            stop = done == cfg.iterations or interrupted["flag"] or out_of_time
+            last = s.dist.sum_(torch.tensor(float(stop))).item() > 0  # any rank stopping stops all
+            if main:
+                if (cfg.eval_every and done % cfg.eval_every == 0) or last:
+                    metrics.update(evaluate_policy(s, "after" if last else None))
+                log.log(done, metrics, {"time/iteration_s": time.time() - t0})
+                bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}"})
+                if done % cfg.save_every == 0 or last:
+                    s.save(done)
+            s.dist.barrier()
             if last:
                 break
     finally:
         signal.signal(signal.SIGINT, previous)
-        log.close()
+        if log is not None:
+            log.close()
+    if not main:
+        return {}
     plot_curves(s.run_dir)
-    summary = final_artifacts(s, time.time() - t_start)
-    return summary
+    return final_artifacts(s, time.time() - t_start)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -235,7 +255,9 @@ def _parser() -> argparse.ArgumentParser:
         description="GRPO with step-level credit assignment. "
         "Any config field can be given as --field value (see flowcredit/config.py).",
     )
-    p.add_argument("--preset", default="flow_grpo", help="demo | flow_grpo | dense_grpo | stepwise_grpo | tp_grpo")
+    p.add_argument(
+        "--preset", default="flow_grpo", help="demo | flow_grpo | dense_grpo | stepwise_grpo | tp_grpo"
+    )
     p.add_argument("--config", default=None, help="YAML file of config fields")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
     return p

@@ -40,8 +40,13 @@ def dirs(tmp_path_factory):
 
 
 def load(dirs, kind, **kw):
-    return KINDS[kind][0].from_pretrained(str(dirs[kind]), dtype=kw.pop("dtype", "float32"), device="cpu",
-                                          resolution=kw.pop("resolution", SIZE), **kw)
+    return KINDS[kind][0].from_pretrained(
+        str(dirs[kind]),
+        dtype=kw.pop("dtype", "float32"),
+        device="cpu",
+        resolution=kw.pop("resolution", SIZE),
+        **kw,
+    )
 
 
 def inputs(model, b=3, seed=0):
@@ -94,8 +99,13 @@ def test_sampling_reproduces_the_diffusers_pipeline(dirs, kind):
     x0, _ = inputs(model, b=2)
     n = 4
     x = ode(model, x0, model.sigmas(n), model.encode(PROMPTS[:2]))
-    kw = dict(num_inference_steps=n, guidance_scale=model.guidance_scale, height=SIZE, width=SIZE,
-              max_sequence_length=16)
+    kw = dict(
+        num_inference_steps=n,
+        guidance_scale=model.guidance_scale,
+        height=SIZE,
+        width=SIZE,
+        max_sequence_length=16,
+    )
     lat = x0 if kind == "sd3" else pack(x0)
     ref = model.pipe(PROMPTS[:2], latents=lat, output_type="latent", **kw).images
     ref = ref if kind == "sd3" else unpack(ref, *model.latent_shape[1:])
@@ -152,8 +162,13 @@ def test_schedules_match_set_timesteps(dirs, n):
     flux = load(dirs, "flux")
     sched = flux.scheduler
     tokens = (SIZE // 4) ** 2
-    mu = calculate_shift(tokens, sched.config.base_image_seq_len, sched.config.max_image_seq_len,
-                         sched.config.base_shift, sched.config.max_shift)
+    mu = calculate_shift(
+        tokens,
+        sched.config.base_image_seq_len,
+        sched.config.max_image_seq_len,
+        sched.config.base_shift,
+        sched.config.max_shift,
+    )
     sched.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=mu)
     assert torch.equal(flux.sigmas(n), sched.sigmas)
     for s in (sd3.sigmas(n), flux.sigmas(n)):
@@ -204,8 +219,11 @@ def test_policy_lora_and_reference(dirs, kind, tmp_path):
 
 
 def test_prompt_cond_selection():
-    c = PromptCond(torch.arange(24.0).view(4, 3, 2), torch.arange(8.0).view(4, 2), PromptCond(
-        torch.zeros(1, 3, 2), torch.zeros(1, 2)))
+    c = PromptCond(
+        torch.arange(24.0).view(4, 3, 2),
+        torch.arange(8.0).view(4, 2),
+        PromptCond(torch.zeros(1, 3, 2), torch.zeros(1, 2)),
+    )
     sel = c[torch.tensor([3, 3, 1])]
     assert len(sel) == 3 and torch.equal(sel.pooled[:, 0], torch.tensor([6.0, 6.0, 2.0]))
     assert sel.null is c.null and len(c[1]) == 1
@@ -222,10 +240,26 @@ def _train_config(preset, kind, ckpt, prompts, run_dir):
         pytest.skip("needs Config.resolution (tiny FLUX's default resolution is 256 px, too slow on CPU)")
     extra = {k: v for k, v in {"resolution": SIZE, "dtype": "float32"}.items() if k in fields}
     cfg = dataclasses.replace(
-        PRESETS[preset](), model=kind, checkpoint=str(ckpt), reward="jpeg_compressibility",
-        train_prompts=str(prompts), eval_prompts=str(prompts), num_steps=4, group_size=2,
-        prompts_per_iter=2, batch_size=4, eval_every=0, num_eval_prompts=2, eval_samples_per_prompt=1,
-        iterations=1, run_dir=str(run_dir), window_size=0, beta=0.01, lora_rank=4, lora_alpha=8.0, **extra,
+        PRESETS[preset](),
+        model=kind,
+        checkpoint=str(ckpt),
+        reward="jpeg_compressibility",
+        train_prompts=str(prompts),
+        eval_prompts=str(prompts),
+        num_steps=4,
+        group_size=2,
+        prompts_per_iter=2,
+        batch_size=4,
+        eval_every=0,
+        num_eval_prompts=2,
+        eval_samples_per_prompt=1,
+        iterations=1,
+        run_dir=str(run_dir),
+        window_size=0,
+        beta=0.01,
+        lora_rank=4,
+        lora_alpha=8.0,
+        **extra,
     )
     if preset == "dense_grpo":
         cfg.calibrate = False

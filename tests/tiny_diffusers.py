@@ -128,7 +128,7 @@ def build_sd3(directory: str | Path, seed: int = 0) -> Path:
 
 
 def build_flux(directory: str | Path, seed: int = 0, guidance_embeds: bool = True) -> Path:
-    """Save a tiny ``FluxPipeline`` (CLIP pooled + T5, packed 2×2 latents, dynamic shift) into ``directory``."""
+    """Save a tiny ``FluxPipeline`` (CLIP pooled + T5, 2×2 packed latents, dynamic shift) in ``directory``."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel
 

@@ -97,7 +97,7 @@ def decode_latents(vae, x: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def scheduler_sigmas(scheduler, num_steps: int, sigmas=None, image_seq_len: int | None = None) -> torch.Tensor:
+def scheduler_sigmas(scheduler, num_steps: int, sigmas=None, image_seq_len: int = 0) -> torch.Tensor:
     """The ``(N + 1,)`` float32 schedule diffusers' pipeline uses: ``scheduler.set_timesteps`` on a fresh
     copy of ``scheduler`` (its shift, dynamic shifting, terminal stretch…), with FLUX's ``μ`` from
     ``image_seq_len`` when the scheduler shifts dynamically. σ_0 = 1, σ_N = 0."""
@@ -150,8 +150,9 @@ class DiffusersFlowModel:
             self.vae.to(torch.float32)
 
     @classmethod
-    def from_pretrained(cls, checkpoint: str, dtype="auto", device=None, resolution=None, guidance_scale=None,
-                        **load_kwargs):
+    def from_pretrained(
+        cls, checkpoint: str, dtype="auto", device=None, resolution=None, guidance_scale=None, **load_kwargs
+    ):
         """Load a hub id or a local pipeline directory: weights in ``dtype`` (VAE in float32), on
         ``device`` (CUDA if available); ``load_kwargs`` go to the pipeline's ``from_pretrained``
         (``revision``, ``variant``, ``local_files_only``…)."""

@@ -43,7 +43,7 @@ class SD3FlowModel(DiffusersFlowModel):
         h, w = image_size(resolution, t.sample_size * factor, factor * t.patch_size)
         super().__init__(pipe, h, w, (t.in_channels, h // factor, w // factor))
         self.guidance_scale = 4.5 if guidance_scale is None else float(guidance_scale)
-        limit = getattr(pipe.tokenizer_3, "model_max_length", max_sequence_length) if pipe.tokenizer_3 else 256
+        limit = getattr(pipe.tokenizer_3, "model_max_length", 256) if pipe.tokenizer_3 else 256
         self.max_sequence_length = min(int(max_sequence_length), int(limit))
         self.shift = float(pipe.scheduler.config.get("shift", 1.0))
 
@@ -63,7 +63,8 @@ class SD3FlowModel(DiffusersFlowModel):
         return PromptCond(embeds[:b], pooled[:b], null)
 
     def predict(self, x: torch.Tensor, sigma: torch.Tensor, embeds: torch.Tensor, pooled: torch.Tensor):
-        """One transformer pass: ``x (B, C, h, w)``, ``sigma (B,)`` → float32 ``(B, C, h, w)`` on ``x.device``."""
+        """One unguided transformer pass: ``x (B, C, h, w)``, ``sigma (B,)`` → float32 ``(B, C, h, w)``
+        on ``x.device``."""
         dev, dtype = self.device, self.dtype
         out = self.net(
             hidden_states=x.to(dev, dtype),
