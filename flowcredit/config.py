@@ -116,7 +116,7 @@ class Config:
     lora_alpha: float = 4.0
     """LoRA alpha (scale alpha/r)."""
     lora_targets: str = "default"
-    """LoRA target modules: 'default' (the adapter's), 'unet' (tiny), or a comma list of module-name suffixes."""
+    """LoRA targets: 'default' (the adapter's), 'unet' (tiny), or a comma list of module-name suffixes."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 1e-4
@@ -293,9 +293,21 @@ def demo() -> Config:
     from importlib import resources
 
     prompts = str(resources.files("flowcredit") / "tasks" / "data" / "demo_prompts.jsonl")
-    return Config(sampler="flow_sde", noise_level=0.7, credit="flow_grpo", train_prompts=prompts,
-                  prompts_per_iter=4, group_size=12, window_size=5, steps_per_update=1, iterations=200,
-                  max_minutes=12.0, eval_every=5, num_eval_prompts=16, eval_samples_per_prompt=8)
+    return Config(
+        sampler="flow_sde",
+        noise_level=0.7,
+        credit="flow_grpo",
+        train_prompts=prompts,
+        prompts_per_iter=4,
+        group_size=12,
+        window_size=5,
+        steps_per_update=1,
+        iterations=200,
+        max_minutes=12.0,
+        eval_every=5,
+        num_eval_prompts=16,
+        eval_samples_per_prompt=8,
+    )
 
 
 PRESETS = {

@@ -13,8 +13,11 @@ def main(argv: list[str] | None = None) -> int:
     if "--run_dir" not in overrides:
         overrides += ["--run_dir", time.strftime("runs/demo-%Y%m%d-%H%M%S")]
     cfg = load_config("demo", None, overrides)
-    print(f"flowcredit demo: {cfg.credit} with LoRA r={cfg.lora_rank} on the built-in model, "
-          f"{cfg.max_minutes:g} minutes at most, outputs in {cfg.run_dir}/", flush=True)
+    print(
+        f"flowcredit demo: {cfg.credit} with LoRA r={cfg.lora_rank} on the built-in model, "
+        f"{cfg.max_minutes:g} minutes at most, outputs in {cfg.run_dir}/",
+        flush=True,
+    )
     from flowcredit.train import train
 
     train(cfg)

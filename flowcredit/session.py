@@ -24,7 +24,6 @@ from flowcredit.rewards import Reward, get_reward
 from flowcredit.schedule import sigmas as make_sigmas
 from flowcredit.sde import SAMPLERS
 
-
 MODEL_LOADERS = {
     "tiny": "flowcredit.models.tiny:load_for_training",
     "sd3": "flowcredit.models.sd3:load_for_training",

@@ -12,9 +12,28 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ARGS = ["--iterations", "4", "--prompts_per_iter", "2", "--group_size", "6", "--num_train_prompts", "4",
-        "--num_eval_prompts", "2", "--eval_samples_per_prompt", "2", "--eval_every", "2", "--num_steps", "5",
-        "--batch_size", "12", "--seed", "3"]
+ARGS = [
+    "--iterations",
+    "4",
+    "--prompts_per_iter",
+    "2",
+    "--group_size",
+    "6",
+    "--num_train_prompts",
+    "4",
+    "--num_eval_prompts",
+    "2",
+    "--eval_samples_per_prompt",
+    "2",
+    "--eval_every",
+    "2",
+    "--num_steps",
+    "5",
+    "--batch_size",
+    "12",
+    "--seed",
+    "3",
+]
 
 
 def _start(run_dir: Path, *extra: str) -> subprocess.Popen:
@@ -29,7 +48,8 @@ def _wait_for_iteration(run_dir: Path, proc: subprocess.Popen, iteration: int, t
     path = run_dir / "metrics.jsonl"
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if path.exists() and any(json.loads(x)["iteration"] >= iteration for x in path.read_text().splitlines()):
+        lines = path.read_text().splitlines() if path.exists() else []
+        if any(json.loads(x)["iteration"] >= iteration for x in lines):
             return
         if proc.poll() is not None:
             raise AssertionError(f"run ended early: {proc.stdout.read()}")
