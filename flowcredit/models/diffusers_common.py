@@ -8,6 +8,7 @@ samplers see — latents, velocities, images — is float32 (SPEC §2).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,10 @@ def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """``cuda:LOCAL_RANK`` (one GPU per rank under torchrun / accelerate) if CUDA is available, else CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 def image_size(resolution, default: int, multiple: int) -> tuple[int, int]:

@@ -1,0 +1,217 @@
+"""Cost of a GRPO iteration against its compute floor (SPEC §9), on this machine, in one run.
+
+1. Peak rate of the built-in model: samples·forward/s of ``model.velocity`` over batch sizes, with CFG
+   as the trainer runs it (guided: both branches in one batch, counted twice, as ``nfe/*`` counts).
+2. Per preset, one iteration's wall time ÷ its NFE floor (``nfe/rollout + nfe/values + nfe/train`` of
+   that iteration ÷ the peak rate), with the time split into rollout, value completions, reward
+   (decode + score) and the PPO update. The update's NFE are forward passes that also run a backward,
+   so its ratio cannot approach 1 under this definition of the floor.
+3. Batched lock-step completions (``flowcredit.values.complete`` over every state of every trajectory
+   at once) vs completing each state alone: wall-time ratio at equal NFE.
+
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/throughput.py
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/throughput.py --profile dense_grpo
+
+Small settings (``--prompts 2 --group 8``, N = 10, ``dense_grpo`` without calibration, which changes
+ψ but not the cost) keep the whole script near three minutes on 2 cores. Timings vary run to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+import flowcredit.train as train_mod
+from flowcredit.config import load_config
+from flowcredit.models.tiny import load_builtin
+from flowcredit.rollout import chunked_velocity
+from flowcredit.schedule import sigmas as make_sigmas
+from flowcredit.session import Session
+from flowcredit.tasks.shapes import load_prompts
+from flowcredit.values import complete
+
+PRESETS = ("flow_grpo", "dense_grpo", "stepwise_grpo", "tp_grpo")
+
+
+def peak_rate(batch_sizes: list[int], repeats: int = 3) -> dict[int, float]:
+    """samples·forward/s of the guided velocity (CFG counted twice) for each batch size."""
+    model = load_builtin()
+    mult = 1 if model.guidance_scale == 1.0 else 2
+    prompt = load_prompts("train")[0]["prompt"]
+    rates = {}
+    with torch.no_grad():
+        for b in batch_sizes:
+            cond = model.encode([prompt] * b)
+            x, sigma = torch.randn(b, *model.latent_shape), torch.full((b,), 0.5)
+            model.velocity(x, sigma, cond)  # warm-up (kernel selection for this shape)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                model.velocity(x, sigma, cond)
+            rates[b] = b * mult * repeats / (time.perf_counter() - t0)
+    return rates
+
+
+def small_config(preset: str, run_dir: Path, prompts: int, group: int):
+    overrides = ["--prompts_per_iter", str(prompts), "--group_size", str(group), "--num_train_prompts", "8"]
+    overrides += ["--run_dir", str(run_dir), "--eval_every", "0", "--num_eval_prompts", "2"]
+    if preset == "dense_grpo":
+        overrides += ["--calibrate", "false"]  # calibration sets ψ (noise levels), not the cost
+    return load_config(preset, None, overrides)
+
+
+@contextmanager
+def phase_timers(times: dict):
+    """Time ``rollout``, ``state_values``, the reward calls inside it, and ``ppo_update`` of train.py."""
+    saved = {k: getattr(train_mod, k) for k in ("rollout", "state_values", "ppo_update", "make_score_fn")}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[name] = times.get(name, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    for name in ("rollout", "state_values", "ppo_update"):
+        setattr(train_mod, name, timed(name, saved[name]))
+    train_mod.make_score_fn = lambda *a, **k: timed("reward", saved["make_score_fn"](*a, **k))
+    try:
+        yield times
+    finally:
+        for name, fn in saved.items():
+            setattr(train_mod, name, fn)
+
+
+def iteration_cost(preset: str, peak: float, prompts: int, group: int) -> dict:
+    """Second iteration of ``preset`` (the first warms up): seconds per phase, NFE, floor ratio."""
+    with tempfile.TemporaryDirectory() as tmp:
+        s = Session.open(small_config(preset, Path(tmp) / "run", prompts, group), resume=False)
+        train_mod.grpo_iteration(s, 0)
+        times = {}
+        with phase_timers(times):
+            t0 = time.perf_counter()
+            m = train_mod.grpo_iteration(s, 1)
+            total = time.perf_counter() - t0
+    nfe = {k: m[f"nfe/{k}"] for k in ("rollout", "values", "train")}
+    times["values"] = times.pop("state_values") - times.get("reward", 0.0)
+    floor = sum(nfe.values()) / peak
+    return {"preset": preset, "seconds": total, "nfe": nfe, "floor": floor, "ratio": total / floor, **times}
+
+
+def lockstep_vs_separate(trajectories: int, batch_size: int = 64) -> dict:
+    """Completions from states 0 … N−1 of ``trajectories`` rollouts: all at once vs one state at a time."""
+    cfg = load_config("dense_grpo", None, ["--calibrate", "false"])
+    model = load_builtin()
+    prompt = load_prompts("train")[0]["prompt"]
+    sigmas = make_sigmas(cfg.num_steps)
+    n = cfg.num_steps
+    with torch.no_grad():
+        cond = model.encode([prompt])
+        rows = torch.zeros(trajectories * n, dtype=torch.long)
+        x = torch.randn(trajectories * n, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+        start = torch.arange(n).repeat(trajectories)  # (T·N,) state index of each row
+        mult = 1 if model.guidance_scale == 1.0 else 2
+        count = {"batched": 0, "separate": 0}
+
+        def velocity(key):
+            def v(xs, sigma, live):
+                count[key] += xs.shape[0] * mult
+                return chunked_velocity(model, xs, sigma, cond, rows[live], batch_size)
+
+            return v
+
+        t0 = time.perf_counter()
+        batched = complete(velocity("batched"), x, sigmas, start, with_rows=True)
+        t_batched = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        separate = torch.cat(
+            [
+                complete(velocity("separate"), x[j : j + 1], sigmas, start[j : j + 1], with_rows=True)
+                for j in range(len(x))
+            ]
+        )
+        t_separate = time.perf_counter() - t0
+    assert count["batched"] == count["separate"]
+    return {
+        "rows": len(x),
+        "nfe": count["batched"],
+        "batched_s": t_batched,
+        "separate_s": t_separate,
+        "max_abs_diff": (batched - separate).abs().max().item(),
+    }
+
+
+def profile_iteration(preset: str, prompts: int, group: int, top: int = 25) -> None:
+    """cProfile of one iteration (after a warm-up one): the functions with the most own time."""
+    with tempfile.TemporaryDirectory() as tmp:
+        s = Session.open(small_config(preset, Path(tmp) / "run", prompts, group), resume=False)
+        train_mod.grpo_iteration(s, 0)
+        prof = cProfile.Profile()
+        prof.runcall(train_mod.grpo_iteration, s, 1)
+    stats = pstats.Stats(prof).strip_dirs()
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+
+
+def print_tables(rates: dict, costs: list[dict], lock: dict) -> None:
+    peak_b = max(rates, key=rates.get)
+    print("\n### Peak rate of the built-in model (guided velocity, CFG counted twice)\n")
+    print("| batch (prompts per call) | samples·forward/s |\n|---|---|")
+    for b, r in rates.items():
+        print(f"| {b} | {r:,.0f}{' (peak)' if b == peak_b else ''} |")
+    print(f"\n### One iteration vs its NFE floor (peak {rates[peak_b]:,.0f}/s)\n")
+    print(
+        "| preset | NFE rollout / values / update | floor s | iteration s | ratio "
+        "| rollout s | values s | reward s | update s |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for c in costs:
+        nfe = c["nfe"]
+        print(
+            f"| {c['preset']} | {nfe['rollout']:,} / {nfe['values']:,} / {nfe['train']:,} | {c['floor']:.2f} "
+            f"| {c['seconds']:.2f} | {c['ratio']:.2f}× | {c['rollout']:.2f} | {c['values']:.2f} "
+            f"| {c.get('reward', 0.0):.2f} | {c['ppo_update']:.2f} |"
+        )
+    print("\n### Value completions: batched lock-step vs one state at a time (same NFE)\n")
+    print("| rows (states) | NFE | batched s | separate s | separate / batched | max abs diff |")
+    speedup = lock["separate_s"] / lock["batched_s"]
+    print(
+        f"|---|---|---|---|---|---|\n| {lock['rows']} | {lock['nfe']:,} | {lock['batched_s']:.2f} "
+        f"| {lock['separate_s']:.2f} | {speedup:.1f}× | {lock['max_abs_diff']:.1e} |"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default=",".join(PRESETS))
+    p.add_argument("--batch_sizes", default="8,16,32,64,128,256", help="prompts per velocity call")
+    p.add_argument("--prompts", type=int, default=2, help="prompt groups per iteration")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--trajectories", type=int, default=16, help="rollouts in the lock-step comparison")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--profile", default=None, metavar="PRESET", help="only profile one iteration of PRESET")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.profile:
+        profile_iteration(args.profile, args.prompts, args.group)
+        return
+    t0 = time.perf_counter()
+    rates = peak_rate([int(b) for b in args.batch_sizes.split(",")])
+    peak = max(rates.values())
+    costs = [iteration_cost(name, peak, args.prompts, args.group) for name in args.presets.split(",")]
+    lock = lockstep_vs_separate(args.trajectories)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print_tables(rates, costs, lock)
+    print(f"\n(total {time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Trainable sets, LoRA, the reference policy and EMA on the built-in model."""
+
+import pytest
+import torch
+
+from flowcredit.models.tiny import load_builtin
+from flowcredit.policy import EMA, Policy, lora_target_names
+
+PROMPTS = ["a red circle", "three blue squares"]
+
+
+def _velocity(model):
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model.velocity(x, torch.tensor([0.8, 0.3]), model.encode(PROMPTS))
+
+
+def _perturb(params):
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.05 * torch.randn_like(p))
+
+
+@pytest.mark.parametrize("train_params", ["lora", "text", "lora+text", "all"])
+def test_reference_is_the_initial_policy(train_params):
+    model = load_builtin()
+    base = _velocity(model)
+    policy = Policy(model, train_params, lora_rank=2, lora_alpha=2.0, need_reference=True, seed=0)
+    torch.testing.assert_close(_velocity(model), base)  # LoRA starts at B = 0
+    names = {n for n, p in model.net.named_parameters() if p.requires_grad}
+    if train_params == "lora":
+        assert names and all("lora_" in n for n in names)
+    if train_params == "text":
+        assert names and all(n.startswith("text.") for n in names)
+    if train_params == "all":
+        assert len(names) == sum(1 for _ in model.net.parameters())
+    _perturb(policy.parameters())
+    assert not torch.allclose(_velocity(model), base)
+    with policy.reference():
+        torch.testing.assert_close(_velocity(model), base)
+    assert not torch.allclose(_velocity(model), base)  # the policy is back after the context
+
+
+def test_merged_weights_reproduce_the_lora_policy():
+    model = load_builtin()
+    policy = Policy(model, "lora", lora_rank=2, lora_alpha=4.0, seed=0)
+    _perturb(policy.parameters())
+    merged = type(model)(model.config)
+    merged.net.load_state_dict(policy.merged_state_dict())
+    merged.guidance_scale = model.guidance_scale
+    torch.testing.assert_close(_velocity(merged), _velocity(model), rtol=1e-3, atol=1e-4)
+
+
+def test_lora_targets_errors_and_text_needs_text_module():
+    model = load_builtin()
+    with pytest.raises(ValueError, match="lora_targets"):
+        lora_target_names(model.net, "no_such_layer")
+    assert "unet.mid_attn.attn.q" in lora_target_names(model.net, "q,k")
+
+
+def test_ema_tracks_and_applies():
+    p = torch.nn.Parameter(torch.zeros(3))
+    ema = EMA([p], decay=0.5)
+    with torch.no_grad():
+        p.fill_(1.0)
+    ema.update()
+    torch.testing.assert_close(ema.shadow[0], torch.full((3,), 0.5))
+    with ema.applied():
+        torch.testing.assert_close(p.detach(), torch.full((3,), 0.5))
+    torch.testing.assert_close(p.detach(), torch.ones(3))
