@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -29,6 +30,8 @@ from flowcredit.policy import Policy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(2)
+DEVICE = os.environ.get("FLOWCREDIT_TEST_DEVICE", "cpu")  # "cuda": the same checks on a GPU
+ATOL = 1e-5 if DEVICE == "cpu" else 2e-3  # cuDNN convolutions use TF32 by default
 KINDS = {"sd3": (SD3FlowModel, build_sd3), "flux": (FluxFlowModel, build_flux)}
 PROMPTS = ["a red square", "a photo of a cat", "a big blue circle on the sign"]
 
@@ -43,7 +46,7 @@ def load(dirs, kind, **kw):
     return KINDS[kind][0].from_pretrained(
         str(dirs[kind]),
         dtype=kw.pop("dtype", "float32"),
-        device="cpu",
+        device=DEVICE,
         resolution=kw.pop("resolution", SIZE),
         **kw,
     )
@@ -72,7 +75,7 @@ def test_shapes_dtypes_and_rows(dirs, kind):
     v = model.velocity(x, sigma, cond)
     assert v.shape == x.shape and v.dtype == torch.float32 and torch.isfinite(v).all()
     idx = torch.tensor([2, 0])
-    assert torch.allclose(model.velocity(x[idx], sigma[idx], cond[idx]), v[idx], atol=1e-5)
+    assert torch.allclose(model.velocity(x[idx], sigma[idx], cond[idx]), v[idx], atol=ATOL)
     img = model.decode(x)
     assert img.shape == (3, 3, SIZE, SIZE) and img.dtype == torch.float32
     assert img.min() >= 0 and img.max() <= 1
@@ -107,11 +110,11 @@ def test_sampling_reproduces_the_diffusers_pipeline(dirs, kind):
         max_sequence_length=16,
     )
     lat = x0 if kind == "sd3" else pack(x0)
-    ref = model.pipe(PROMPTS[:2], latents=lat, output_type="latent", **kw).images
+    ref = model.pipe(PROMPTS[:2], latents=lat, output_type="latent", **kw).images.cpu()
     ref = ref if kind == "sd3" else unpack(ref, *model.latent_shape[1:])
-    assert torch.allclose(x, ref, atol=1e-5), (x - ref).abs().max()
-    img = model.pipe(PROMPTS[:2], latents=lat, output_type="pt", **kw).images
-    assert torch.allclose(model.decode(x), img, atol=1e-5)
+    assert torch.allclose(x, ref, atol=ATOL), (x - ref).abs().max()
+    img = model.pipe(PROMPTS[:2], latents=lat, output_type="pt", **kw).images.cpu()
+    assert torch.allclose(model.decode(x), img, atol=ATOL)
 
 
 def test_sd3_cfg_combination(dirs):
@@ -125,7 +128,7 @@ def test_sd3_cfg_combination(dirs):
     assert model.nfe_per_call == 1
     model.guidance_scale = 4.5
     assert model.nfe_per_call == 2
-    assert torch.allclose(v, v_null + 4.5 * (v_cond - v_null), atol=1e-5)
+    assert torch.allclose(v, v_null + 4.5 * (v_cond - v_null), atol=ATOL)
     assert not torch.allclose(v_cond, v_null, atol=1e-4)
 
 
@@ -200,12 +203,12 @@ def test_policy_lora_and_reference(dirs, kind, tmp_path):
     assert len(policy.parameters()) == len(trainable) == len(model.trainable_parameters())
     for module in (model.vae, model.pipe.text_encoder, model.pipe.text_encoder_2):
         assert not any(p.requires_grad for p in module.parameters())
-    assert torch.allclose(model.velocity(x, sigma, cond), base, atol=1e-6)  # lora_B = 0 at init
+    assert torch.allclose(model.velocity(x, sigma, cond), base, atol=ATOL)  # lora_B = 0 at init
     _perturb_lora(model.net)
     v = model.velocity(x, sigma, cond)
     assert not torch.allclose(v, base, atol=1e-4)
     with torch.no_grad(), policy.reference():
-        assert torch.allclose(model.velocity(x, sigma, cond), base, atol=1e-5)
+        assert torch.allclose(model.velocity(x, sigma, cond), base, atol=ATOL)
     v.mean().backward()
     assert all(p.grad is not None for p in policy.parameters())
 
@@ -215,7 +218,7 @@ def test_policy_lora_and_reference(dirs, kind, tmp_path):
     pipe.load_lora_weights(str(tmp_path), weight_name=LORA_WEIGHTS)
     reloaded = KINDS[kind][0](pipe, resolution=SIZE)
     with torch.no_grad():
-        assert torch.allclose(reloaded.velocity(x, sigma, reloaded.encode(PROMPTS)), v, atol=1e-5)
+        assert torch.allclose(reloaded.velocity(x, sigma, reloaded.encode(PROMPTS)), v, atol=ATOL)
 
 
 def test_full_finetune_reference_and_export(dirs, tmp_path):
@@ -234,10 +237,10 @@ def test_full_finetune_reference_and_export(dirs, tmp_path):
     v = model.velocity(x, sigma, cond)
     assert not torch.allclose(v, base, atol=1e-4)
     with torch.no_grad(), policy.reference():
-        assert torch.allclose(model.velocity(x, sigma, cond), base, atol=1e-6)
+        assert torch.allclose(model.velocity(x, sigma, cond), base, atol=ATOL)
     model.save_final(policy, tmp_path)
     model.net = SD3Transformer2DModel.from_pretrained(str(tmp_path / "transformer"))
-    assert torch.allclose(model.velocity(x, sigma, cond), v, atol=1e-6)
+    assert torch.allclose(model.velocity(x, sigma, cond), v, atol=ATOL)
 
 
 @pytest.mark.xfail(reason="trainer change pending: Policy should keep LoRA weights in float32 on a bf16 base")
@@ -323,7 +326,10 @@ def test_train_every_method(dirs, kind, preset, tmp_path):
     numbers = {k: v for k, v in last.items() if isinstance(v, float) and not k.endswith("/strict")}
     assert all(math.isfinite(v) for v in numbers.values()), last  # "strict" is NaN for non-ShapeEval rewards
     fresh = load(dirs, kind)
-    init = Policy(fresh, "lora", 4, 8.0, "default", seed=cfg.seed).trainable_state()
+    init = {
+        k: v.cpu()
+        for k, v in Policy(fresh, "lora", 4, 8.0, "default", seed=cfg.seed).trainable_state().items()
+    }
     final = load_file(str(run / "final" / "trainable.safetensors"))
     assert set(final) == set(init)
     assert any(not torch.equal(final[k], init[k]) for k in init), "no LoRA weight moved"
