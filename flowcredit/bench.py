@@ -1,21 +1,17 @@
 """``flowcredit bench``: credit-assignment methods compared on the built-in task with equal budgets.
 
-Every cell (a preset, optionally with one ablation, × a seed) is one ``flowcredit.train.train`` run in
-``OUT/runs/<cell>-seed<k>`` with the same iterations (``--iterations``) or the same wall clock
-(``--minutes`` → ``max_minutes``), the same held-out prompts, the same evaluation interval and the
-same fixed evaluation noise (``eval_every``, ``eval_seed``). A cell whose run has ``summary.json`` is
-read, not recomputed; a run killed mid-way resumes from its checkpoint (iteration budgets only; a
-wall-clock cell is restarted so that its budget stays whole). A run dir whose config differs from
-the requested one is an error, never silently mixed in.
-
-Outputs: ``OUT/results.json`` (every evaluation point with iteration, seconds summed from
-``timings.jsonl`` and cumulative NFE from ``metrics.jsonl``), ``OUT/table.md`` and three plots of
-the held-out soft score (vs iteration, vs seconds, vs model calls). Honesty notes:
-1. Seconds are the trainer's per-iteration wall clock, evaluation included (equal for every method);
-   set-up (model load, DenseGRPO's ψ calibration, the start evaluation) is reported apart.
-2. NFE counts training model calls only (rollout + values + update); calibration and evaluation
-   calls are not counted.
-3. Per-category bars are not drawn: the trainer logs the overall held-out score only.
+Each cell (a preset, or a preset with one ablation, × a seed) is one ``flowcredit.train.train`` run in
+``OUT/runs/<cell>-seed<k>``: same iterations (``--iterations``) or same wall clock (``--minutes`` →
+``max_minutes``), same held-out prompts, evaluation interval and fixed evaluation noise. A finished
+run (``summary.json`` after its whole budget) is read, not recomputed; an interrupted one resumes
+from its checkpoint (a wall-clock cell restarts, so that its budget stays whole); a run whose config
+differs from the requested one is an error, never mixed in. Outputs: ``OUT/results.json`` (every
+evaluation point with iteration, seconds from ``timings.jsonl``, cumulative NFE from
+``metrics.jsonl``), ``OUT/table.md``, and held-out score vs iteration / seconds / NFE plots.
+Honesty notes: 1) seconds are the trainer's per-iteration wall clock, evaluation included (the same
+for every method); set-up (model load, DenseGRPO's ψ calibration, start evaluation) is reported
+apart. 2) NFE counts training calls only (rollout + values + update), not calibration or
+evaluation. 3) No per-category bars: the trainer logs the overall held-out score only.
 """
 
 from __future__ import annotations
@@ -65,11 +61,10 @@ ABLATIONS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="flowcredit bench",
-        description="Compare credit methods on the built-in task (presets × seeds, equal budgets). "
-        "Other --field value pairs are config overrides applied to every run.",
+    doc = (
+        "Compare credit methods (presets × seeds, equal budgets); other --field value pairs override config."
     )
+    p = argparse.ArgumentParser(prog="flowcredit bench", description=doc)
     p.add_argument("--presets", default="flow_grpo,dense_grpo,stepwise_grpo,tp_grpo")
     p.add_argument("--seeds", default=None, help="comma list (default 0,1,2; --quick: 0)")
     p.add_argument("--iterations", type=int, default=None, help="iterations per run (default 40)")
@@ -110,7 +105,7 @@ def run_cell(cell: dict, seed: int, runs: Path) -> Path:
     saved = run_dir / "config.json"
     if saved.exists() and json.loads(saved.read_text()) != dataclasses.asdict(cfg):
         raise ValueError(f"{run_dir} was run with another config; use another --out or delete it")
-    if (run_dir / "summary.json").exists():
+    if _finished(run_dir, cfg):
         print(f"bench: {run_dir.name}: finished earlier, not recomputed", flush=True)
         return run_dir
     from flowcredit.checkpoint import find_checkpoint
@@ -123,7 +118,18 @@ def run_cell(cell: dict, seed: int, runs: Path) -> Path:
     t0 = time.time()
     train(cfg, resume=resume)
     (run_dir / "bench.json").write_text(json.dumps({"wall_s": time.time() - t0, "resumed": resume}) + "\n")
+    if not _finished(run_dir, cfg):  # SIGINT: train() stopped early; do not count a short run
+        raise SystemExit(f"bench: {run_dir.name} was interrupted; run the same command again to resume")
     return run_dir
+
+
+def _finished(run_dir: Path, cfg: Config) -> bool:
+    """The run wrote its summary after its whole budget (not after an early SIGINT stop)."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return False
+    summary = json.loads(path.read_text())
+    return summary["iterations"] >= cfg.iterations or 0 < cfg.max_minutes <= summary["minutes"]
 
 
 def read_run(run_dir: Path) -> dict:
@@ -147,15 +153,9 @@ def read_run(run_dir: Path) -> dict:
     iters = max(len(costs), 1)
     bench = json.loads((run_dir / "bench.json").read_text()) if (run_dir / "bench.json").exists() else {}
     wall = math.nan if bench.get("resumed", True) else bench["wall_s"]  # a resumed run's wall is partial
-    return {
-        "run_dir": str(run_dir),
-        "iterations": len(costs),
-        "seconds": seconds,
-        "setup_seconds": wall - seconds,
-        "nfe_per_iteration": [sum(c[k] for c in costs) / iters for k in range(3)],
-        "noise_floor": floor,
-        "points": points,
-    }
+    nfe_it = [sum(c[k] for c in costs) / iters for k in range(3)]
+    out = dict(run_dir=str(run_dir), iterations=len(costs), seconds=seconds, setup_seconds=wall - seconds)
+    return out | {"nfe_per_iteration": nfe_it, "noise_floor": floor, "points": points}
 
 
 def ci95(values: list[float]) -> tuple[float, float]:

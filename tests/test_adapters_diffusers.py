@@ -8,7 +8,6 @@ the exported LoRA reloads in plain diffusers; one training iteration of every pr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -20,7 +19,7 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from tiny_diffusers import SIZE, build_flux, build_sd3  # noqa: E402
+from tiny_diffusers import SIZE, build_flux, build_sd3, train_config  # noqa: E402
 
 from flowcredit.models.diffusers_common import LORA_WEIGHTS, PromptCond  # noqa: E402
 from flowcredit.models.flux import FluxFlowModel, image_ids, pack, unpack  # noqa: E402
@@ -267,47 +266,6 @@ def test_prompt_cond_selection():
 # --- the trainer end to end (needs the trainer to accept model='sd3' / 'flux') ---
 
 
-def _train_config(preset, kind, ckpt, prompts, run_dir):
-    from flowcredit.config import PRESETS, Config, validate
-
-    fields = {f.name for f in dataclasses.fields(Config)}
-    if kind == "flux" and "resolution" not in fields:
-        pytest.skip("needs Config.resolution (tiny FLUX's default resolution is 256 px, too slow on CPU)")
-    extra = {k: v for k, v in {"resolution": SIZE, "dtype": "float32"}.items() if k in fields}
-    cfg = dataclasses.replace(
-        PRESETS[preset](),
-        model=kind,
-        checkpoint=str(ckpt),
-        reward="jpeg_compressibility",
-        train_prompts=str(prompts),
-        eval_prompts=str(prompts),
-        num_steps=4,
-        group_size=2,
-        prompts_per_iter=2,
-        batch_size=4,
-        eval_every=0,
-        num_eval_prompts=2,
-        eval_samples_per_prompt=1,
-        iterations=1,
-        run_dir=str(run_dir),
-        window_size=0,
-        beta=0.01,
-        lora_rank=4,
-        lora_alpha=8.0,
-        **extra,
-    )
-    if preset == "dense_grpo":
-        cfg.calibrate = False
-    if preset == "stepwise_grpo":
-        cfg.window_start = 1
-    try:
-        return validate(cfg)
-    except ValueError as exc:
-        if "'model'" in str(exc):
-            pytest.skip(f"trainer does not yet accept model={kind!r}: {exc}")
-        raise
-
-
 @pytest.mark.parametrize("preset", ["flow_grpo", "dense_grpo", "stepwise_grpo", "tp_grpo"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_every_method(dirs, kind, preset, tmp_path):
@@ -317,7 +275,7 @@ def test_train_every_method(dirs, kind, preset, tmp_path):
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    cfg = _train_config(preset, kind, dirs[kind], prompts, tmp_path / "run")
+    cfg = train_config(preset, kind, dirs[kind], prompts, tmp_path / "run")
     train(cfg)
     run = tmp_path / "run"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -342,6 +300,6 @@ def test_trainer_uses_the_adapter_schedule(dirs, kind, tmp_path):
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    cfg = _train_config("flow_grpo", kind, dirs[kind], prompts, tmp_path / "run")
+    cfg = train_config("flow_grpo", kind, dirs[kind], prompts, tmp_path / "run")
     s = Session.open(cfg, resume=False)
     assert torch.equal(s.sigmas, s.model.sigmas(cfg.num_steps))
