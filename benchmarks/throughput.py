@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import math
 import pstats
 import tempfile
 import time
@@ -40,8 +41,9 @@ from flowcredit.values import complete
 PRESETS = ("flow_grpo", "dense_grpo", "stepwise_grpo", "tp_grpo")
 
 
-def peak_rate(batch_sizes: list[int], repeats: int = 3) -> dict[int, float]:
-    """samples·forward/s of the guided velocity (CFG counted twice) for each batch size."""
+def peak_rate(batch_sizes: list[int], samples: int = 512, trials: int = 2) -> dict[int, float]:
+    """samples·forward/s of the guided velocity (CFG counted twice) per batch size: best of ``trials``
+    timings of about ``samples`` samples each, after a warm-up call (kernel selection for the shape)."""
     model = load_builtin()
     mult = 1 if model.guidance_scale == 1.0 else 2
     prompt = load_prompts("train")[0]["prompt"]
@@ -50,11 +52,15 @@ def peak_rate(batch_sizes: list[int], repeats: int = 3) -> dict[int, float]:
         for b in batch_sizes:
             cond = model.encode([prompt] * b)
             x, sigma = torch.randn(b, *model.latent_shape), torch.full((b,), 0.5)
-            model.velocity(x, sigma, cond)  # warm-up (kernel selection for this shape)
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                model.velocity(x, sigma, cond)
-            rates[b] = b * mult * repeats / (time.perf_counter() - t0)
+            model.velocity(x, sigma, cond)
+            calls = max(2, samples // (b * mult))
+            best = math.inf
+            for _ in range(trials):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    model.velocity(x, sigma, cond)
+                best = min(best, time.perf_counter() - t0)
+            rates[b] = b * mult * calls / best
     return rates
 
 

@@ -35,9 +35,13 @@ class Config:
     """torch intra-op threads (one per core here; one per rank under torchrun)."""
     # --- model ---
     model: str = "tiny"
-    """Model adapter: 'tiny' (the built-in ShapeEval model)."""
+    """Model adapter: 'tiny' (built-in ShapeEval model), 'sd3' (SD3/SD3.5) or 'flux' (FLUX.1)."""
     checkpoint: str = "builtin"
-    """Base weights: 'builtin' (shipped tiny model) or a checkpoint directory."""
+    """Base weights: 'builtin' (shipped tiny model), a checkpoint directory, or a diffusers hub id / dir."""
+    resolution: int = 0
+    """Image size in pixels for diffusers models (0: the model's default)."""
+    dtype: str = "auto"
+    """Weights dtype of diffusers models: auto, float32, bfloat16 or float16 (sampler maths stay fp32)."""
     guidance_scale: float = 0.0
     """Classifier-free guidance weight; 0 keeps the model's default."""
     # --- task and reward ---
@@ -242,7 +246,10 @@ def validate(cfg: Config) -> Config:
         not cfg.psi_path or cfg.sampler == "dance_sde", "psi_path", "a calibrated ψ needs sampler=dance_sde"
     )
     _check(not cfg.psi_path or Path(cfg.psi_path).is_file(), "psi_path", f"no file {cfg.psi_path!r}")
-    _check(cfg.model == "tiny", "model", "only the built-in 'tiny' adapter is available in this version")
+    _check(cfg.model in ("tiny", "sd3", "flux"), "model", f"{cfg.model!r} is not one of tiny, sd3, flux")
+    dtypes = ("auto", "float32", "bfloat16", "float16")
+    _check(cfg.dtype in dtypes, "dtype", f"{cfg.dtype!r} is not one of {dtypes}")
+    _check(cfg.resolution >= 0, "resolution", "must be >= 0")
     return cfg
 
 

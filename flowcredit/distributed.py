@@ -36,18 +36,21 @@ class Dist:
             self.accelerator.wait_for_everyone()
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        """In-place sum over ranks (returns the tensor)."""
+        """Sum over ranks, in place (returns the tensor). Runs on the backend's device (NCCL: the GPU)."""
         if self.world > 1:
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+            on_device = tensor.to(self.accelerator.device)
+            torch.distributed.all_reduce(on_device, op=torch.distributed.ReduceOp.SUM)
+            tensor.copy_(on_device)
         return tensor
 
     def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``(n, …)`` on every rank → ``(world·n, …)`` (equal ``n`` on all ranks)."""
+        """``(n, …)`` on every rank → ``(world·n, …)`` (equal ``n`` on all ranks), on ``tensor``'s device."""
         if self.world == 1:
             return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.world)]
-        torch.distributed.all_gather(parts, tensor.contiguous())
-        return torch.cat(parts)
+        local = tensor.contiguous().to(self.accelerator.device)
+        parts = [torch.empty_like(local) for _ in range(self.world)]
+        torch.distributed.all_gather(parts, local)
+        return torch.cat(parts).to(tensor.device)
 
     def sync_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum gradients over ranks (each rank's loss is already weighted by the global row count)."""

@@ -75,6 +75,8 @@ class Policy:
             inject_adapter_in_model(config, net)
         for name, p in net.named_parameters():
             p.requires_grad_("lora_" in name)
+            if "lora_" in name:  # AdamW on bf16/fp16 LoRA weights loses updates: keep them fp32
+                p.data = p.data.float()
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.net.parameters() if p.requires_grad]

@@ -101,7 +101,8 @@ class Session:
 
     @property
     def cfg_mult(self) -> int:
-        return 1 if self.model.guidance_scale == 1.0 else 2
+        """Network passes per sample per velocity call (2 with CFG; FLUX's guidance embedding: 1)."""
+        return getattr(self.model, "nfe_per_call", 1 if self.model.guidance_scale == 1.0 else 2)
 
     @property
     def adv_opts(self) -> dict:
