@@ -1,7 +1,8 @@
 """Cost of a GRPO iteration against its compute floor (SPEC §9), on this machine, in one run.
 
 1. Peak rate of the built-in model: samples·forward/s of ``model.velocity`` over batch sizes, with CFG
-   as the trainer runs it (guided: both branches in one batch, counted twice, as ``nfe/*`` counts).
+   as the trainer runs it (guided: both branches in one batch, counted twice, as ``nfe/*`` counts);
+   beside it, the same for the training policy (the model with unmerged LoRA, as rollouts run it).
 2. Per preset, one iteration's wall time ÷ its NFE floor (``nfe/rollout + nfe/values + nfe/train`` of
    that iteration ÷ the peak rate), with the time split into rollout, value completions, reward
    (decode + score) and the PPO update. The update's NFE are forward passes that also run a backward,
@@ -32,6 +33,7 @@ import torch
 import flowcredit.train as train_mod
 from flowcredit.config import load_config
 from flowcredit.models.tiny import load_builtin
+from flowcredit.policy import Policy
 from flowcredit.rollout import chunked_velocity
 from flowcredit.schedule import sigmas as make_sigmas
 from flowcredit.session import Session
@@ -41,27 +43,29 @@ from flowcredit.values import complete
 PRESETS = ("flow_grpo", "dense_grpo", "stepwise_grpo", "tp_grpo")
 
 
-def peak_rate(batch_sizes: list[int], samples: int = 512, trials: int = 2) -> dict[int, float]:
-    """samples·forward/s of the guided velocity (CFG counted twice) per batch size: best of ``trials``
-    timings of about ``samples`` samples each, after a warm-up call (kernel selection for the shape)."""
-    model = load_builtin()
+def forward_rate(model, b: int, samples: int = 256, trials: int = 2) -> float:
+    """samples·forward/s of ``model.velocity`` at ``b`` prompts per call (CFG counted twice): best of
+    ``trials`` timings of about ``samples`` samples each, after a warm-up call (kernel selection)."""
     mult = 1 if model.guidance_scale == 1.0 else 2
-    prompt = load_prompts("train")[0]["prompt"]
-    rates = {}
+    cond = model.encode([load_prompts("train")[0]["prompt"]] * b)
+    x, sigma = torch.randn(b, *model.latent_shape), torch.full((b,), 0.5)
+    calls, best = max(2, samples // (b * mult)), math.inf
     with torch.no_grad():
-        for b in batch_sizes:
-            cond = model.encode([prompt] * b)
-            x, sigma = torch.randn(b, *model.latent_shape), torch.full((b,), 0.5)
-            model.velocity(x, sigma, cond)
-            calls = max(2, samples // (b * mult))
-            best = math.inf
-            for _ in range(trials):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    model.velocity(x, sigma, cond)
-                best = min(best, time.perf_counter() - t0)
-            rates[b] = b * mult * calls / best
-    return rates
+        model.velocity(x, sigma, cond)
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                model.velocity(x, sigma, cond)
+            best = min(best, time.perf_counter() - t0)
+    return b * mult * calls / best
+
+
+def peak_rates(batch_sizes: list[int]) -> dict[int, tuple[float, float]]:
+    """Per batch size: the built-in model's rate, and the rate of the training policy (LoRA r = 4 on
+    the U-Net as the presets train it, not merged), which rollouts and value completions run."""
+    base, policy_model = load_builtin(), load_builtin()
+    Policy(policy_model, "lora", 4, 4.0, "default", need_reference=False, seed=0)
+    return {b: (forward_rate(base, b), forward_rate(policy_model, b)) for b in batch_sizes}
 
 
 def small_config(preset: str, run_dir: Path, prompts: int, group: int):
@@ -98,14 +102,14 @@ def phase_timers(times: dict):
 
 
 def iteration_cost(preset: str, peak: float, prompts: int, group: int) -> dict:
-    """Second iteration of ``preset`` (the first warms up): seconds per phase, NFE, floor ratio."""
+    """The first iteration of ``preset`` (one-off kernel selection included: about 0–10 % here):
+    seconds per phase, NFE, ratio to the floor."""
     with tempfile.TemporaryDirectory() as tmp:
         s = Session.open(small_config(preset, Path(tmp) / "run", prompts, group), resume=False)
-        train_mod.grpo_iteration(s, 0)
         times = {}
         with phase_timers(times):
             t0 = time.perf_counter()
-            m = train_mod.grpo_iteration(s, 1)
+            m = train_mod.grpo_iteration(s, 0)
             total = time.perf_counter() - t0
     nfe = {k: m[f"nfe/{k}"] for k in ("rollout", "values", "train")}
     times["values"] = times.pop("state_values") - times.get("reward", 0.0)
@@ -169,12 +173,12 @@ def profile_iteration(preset: str, prompts: int, group: int, top: int = 25) -> N
 
 
 def print_tables(rates: dict, costs: list[dict], lock: dict) -> None:
-    peak_b = max(rates, key=rates.get)
-    print("\n### Peak rate of the built-in model (guided velocity, CFG counted twice)\n")
-    print("| batch (prompts per call) | samples·forward/s |\n|---|---|")
-    for b, r in rates.items():
-        print(f"| {b} | {r:,.0f}{' (peak)' if b == peak_b else ''} |")
-    print(f"\n### One iteration vs its NFE floor (peak {rates[peak_b]:,.0f}/s)\n")
+    peak_b = max(rates, key=lambda b: rates[b][0])
+    print("\n### Rate of the built-in model (guided velocity, CFG counted twice), samples·forward/s\n")
+    print("| batch (prompts per call) | built-in model | training policy (LoRA, unmerged) |\n|---|---|---|")
+    for b, (base, lora) in rates.items():
+        print(f"| {b} | {base:,.0f}{' (peak)' if b == peak_b else ''} | {lora:,.0f} |")
+    print(f"\n### One iteration vs its NFE floor (peak {rates[peak_b][0]:,.0f}/s)\n")
     print(
         "| preset | NFE rollout / values / update | floor s | iteration s | ratio "
         "| rollout s | values s | reward s | update s |\n|---|---|---|---|---|---|---|---|---|"
@@ -198,7 +202,7 @@ def print_tables(rates: dict, costs: list[dict], lock: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--presets", default=",".join(PRESETS))
-    p.add_argument("--batch_sizes", default="8,16,32,64,128,256", help="prompts per velocity call")
+    p.add_argument("--batch_sizes", default="8,16,32,64,128", help="prompts per velocity call")
     p.add_argument("--prompts", type=int, default=2, help="prompt groups per iteration")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--trajectories", type=int, default=16, help="rollouts in the lock-step comparison")
@@ -210,8 +214,8 @@ def main() -> None:
         profile_iteration(args.profile, args.prompts, args.group)
         return
     t0 = time.perf_counter()
-    rates = peak_rate([int(b) for b in args.batch_sizes.split(",")])
-    peak = max(rates.values())
+    rates = peak_rates([int(b) for b in args.batch_sizes.split(",")])
+    peak = max(r[0] for r in rates.values())
     costs = [iteration_cost(name, peak, args.prompts, args.group) for name in args.presets.split(",")]
     lock = lockstep_vs_separate(args.trajectories)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
