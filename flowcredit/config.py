@@ -341,6 +341,11 @@ def load_config(preset: str = "flow_grpo", yaml_path: str | None = None, overrid
         if not isinstance(data, dict):
             raise ValueError(f"{yaml_path}: expected a mapping of config keys")
         cfg = from_dict(data, cfg)
+    return apply_overrides(cfg, overrides)
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
+    """Apply ``["--key", "value", …]`` to ``cfg`` (typed by the field), then :func:`validate`."""
     overrides = list(overrides or [])
     if len(overrides) % 2:
         raise ValueError(f"overrides must come as '--key value' pairs, got {overrides}")

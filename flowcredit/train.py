@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from flowcredit.advantages import ADVANTAGES
-from flowcredit.config import Config, from_dict, load_config, trained_window, validate
+from flowcredit.config import Config, apply_overrides, from_dict, load_config, trained_window
 from flowcredit.losses import approx_kl, clipfrac, clipped_surrogate, kl_to_reference
 from flowcredit.rollout import needed_states, rollout, state_values
 from flowcredit.runlog import RunLog, plot_curves
@@ -267,18 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(argv)
     if args.resume:
         saved = json.loads((Path(args.resume) / "config.json").read_text())
-        cfg = validate(from_dict(saved, Config()))
-        for key, raw in zip(rest[::2], rest[1::2]):
-            cfg = load_config_override(cfg, key, raw)
+        cfg = apply_overrides(from_dict(saved, Config()), rest)
         cfg.run_dir = args.resume
         train(cfg, resume=True)
     else:
         train(load_config(args.preset, args.config, rest))
     return 0
-
-
-def load_config_override(cfg: Config, key: str, raw: str) -> Config:
-    from flowcredit.config import parse_value
-
-    setattr(cfg, key.lstrip("-").replace("-", "_"), parse_value(key.lstrip("-").replace("-", "_"), raw))
-    return validate(cfg)
