@@ -25,7 +25,7 @@ import math
 import pstats
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -62,7 +62,8 @@ def forward_rate(model, b: int, samples: int = 256, trials: int = 2) -> float:
 
 def peak_rates(batch_sizes: list[int]) -> dict[int, tuple[float, float]]:
     """Per batch size: the built-in model's rate, and the rate of the training policy (LoRA r = 4 on
-    the U-Net as the presets train it, not merged), which rollouts and value completions run."""
+    the U-Net as the presets train it, not merged), which rollouts and updates run (value completions
+    and evaluation run merged: ``Policy.merged``)."""
     base, policy_model = load_builtin(), load_builtin()
     Policy(policy_model, "lora", 4, 4.0, "default", need_reference=False, seed=0)
     return {b: (forward_rate(base, b), forward_rate(policy_model, b)) for b in batch_sizes}
@@ -79,7 +80,7 @@ def small_config(preset: str, run_dir: Path, prompts: int, group: int):
 @contextmanager
 def phase_timers(times: dict):
     """Time ``rollout``, ``state_values``, the reward calls inside it, and ``ppo_update`` of train.py."""
-    saved = {k: getattr(train_mod, k) for k in ("rollout", "state_values", "ppo_update", "make_score_fn")}
+    saved = {k: getattr(train_mod, k) for k in ("rollout", "state_values", "ppo_update", "ScoreFn")}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -93,7 +94,12 @@ def phase_timers(times: dict):
 
     for name in ("rollout", "state_values", "ppo_update"):
         setattr(train_mod, name, timed(name, saved[name]))
-    train_mod.make_score_fn = lambda *a, **k: timed("reward", saved["make_score_fn"](*a, **k))
+
+    class TimedScore(saved["ScoreFn"]):
+        def __call__(self, *args):
+            return timed("reward", super().__call__)(*args)
+
+    train_mod.ScoreFn = TimedScore
     try:
         yield times
     finally:
@@ -101,20 +107,24 @@ def phase_timers(times: dict):
             setattr(train_mod, name, fn)
 
 
-def iteration_cost(preset: str, peak: float, prompts: int, group: int) -> dict:
+def iteration_cost(preset: str, peak: float, prompts: int, group: int, merged_values: bool = True) -> dict:
     """The first iteration of ``preset`` (one-off kernel selection included: about 0–10 % here):
-    seconds per phase, NFE, ratio to the floor."""
+    seconds per phase, NFE, ratio to the floor. ``merged_values=False`` runs the value completions
+    on the unmerged LoRA policy, as the trainer did before it merged them (the before/after row)."""
     with tempfile.TemporaryDirectory() as tmp:
         s = Session.open(small_config(preset, Path(tmp) / "run", prompts, group), resume=False)
+        if not merged_values:
+            s.policy.merged = nullcontext
         times = {}
         with phase_timers(times):
             t0 = time.perf_counter()
             m = train_mod.grpo_iteration(s, 0)
             total = time.perf_counter() - t0
     nfe = {k: m[f"nfe/{k}"] for k in ("rollout", "values", "train")}
-    times["values"] = times.pop("state_values") - times.get("reward", 0.0)
+    times["values"] = times.pop("state_values")  # completions + decode + the reward wait
     floor = sum(nfe.values()) / peak
-    return {"preset": preset, "seconds": total, "nfe": nfe, "floor": floor, "ratio": total / floor, **times}
+    name = preset if merged_values else f"{preset} (unmerged values: before)"
+    return {"preset": name, "seconds": total, "nfe": nfe, "floor": floor, "ratio": total / floor, **times}
 
 
 def lockstep_vs_separate(trajectories: int, batch_size: int = 64) -> dict:
@@ -181,7 +191,7 @@ def print_tables(rates: dict, costs: list[dict], lock: dict) -> None:
     print(f"\n### One iteration vs its NFE floor (peak {rates[peak_b][0]:,.0f}/s)\n")
     print(
         "| preset | NFE rollout / values / update | floor s | iteration s | ratio "
-        "| rollout s | values s | reward s | update s |\n|---|---|---|---|---|---|---|---|---|"
+        "| rollout s | values s | reward s (overlapped) | update s |\n|---|---|---|---|---|---|---|---|---|"
     )
     for c in costs:
         nfe = c["nfe"]
@@ -217,6 +227,8 @@ def main() -> None:
     rates = peak_rates([int(b) for b in args.batch_sizes.split(",")])
     peak = max(r[0] for r in rates.values())
     costs = [iteration_cost(name, peak, args.prompts, args.group) for name in args.presets.split(",")]
+    if "dense_grpo" in args.presets.split(","):  # before/after the merged value completions, same run
+        costs.append(iteration_cost("dense_grpo", peak, args.prompts, args.group, merged_values=False))
     lock = lockstep_vs_separate(args.trajectories)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print_tables(rates, costs, lock)

@@ -28,7 +28,7 @@ def flow_sde_g(sigmas: torch.Tensor, a: float = 0.7) -> torch.Tensor:
 
 def calibrate_session(s) -> torch.Tensor:
     """Calibrate ψ with the session's (still untrained) model; returns ψ ``(N,)``."""
-    from flowcredit.session import make_score_fn
+    from flowcredit.session import ScoreFn
     from flowcredit.train import noise_levels, seeded
 
     cfg = s.cfg
@@ -44,23 +44,23 @@ def calibrate_session(s) -> torch.Tensor:
         rows = torch.arange(cfg.calib_groups).repeat_interleave(cfg.group_size)
         x0 = torch.randn((len(rows), *s.model.latent_shape), generator=seeded(cfg.seed, it, 1))
         levels = torch.where(trained, psi, torch.zeros_like(psi))
-        with torch.no_grad():
+        with torch.no_grad(), s.policy.merged():  # ψ comes before training: no logp_old to keep exact
             cond = s.model.encode(prompts)
-        ro = rollout(
-            s.model,
-            cond,
-            rows,
-            x0,
-            s.sigmas,
-            levels,
-            SAMPLERS["dance_sde"],
-            seeded(cfg.seed, it, 2),
-            batch_size=cfg.batch_size,
-        )
-        score = make_score_fn(s.reward, cfg.reward, prompts, metas, rows, skip_bad=False)
-        values, _ = state_values(
-            s.model, cond, rows, ro, s.sigmas, "dense", trained, "ode_remaining", 1, score, cfg.batch_size
-        )
+            ro = rollout(
+                s.model,
+                cond,
+                rows,
+                x0,
+                s.sigmas,
+                levels,
+                SAMPLERS["dance_sde"],
+                seeded(cfg.seed, it, 2),
+                batch_size=cfg.batch_size,
+            )
+            score = ScoreFn(s.reward, cfg.reward, prompts, metas, rows, skip_bad=False)
+            values, _ = state_values(
+                s.model, cond, rows, ro, s.sigmas, "dense", trained, "ode_remaining", 1, score, cfg.batch_size
+            )
         return torch.nan_to_num(values[:, 1:] - values[:, :-1], nan=0.0)
 
     def progress(it, psi):

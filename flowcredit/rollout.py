@@ -10,6 +10,7 @@ so it is copied, not recomputed.
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +103,10 @@ def state_values(
 ):
     """``V (B, N + 1)``: NaN where the method does not need a value.
 
-    ``score(images (M, 3, H, W), row_index (M,)) -> rewards (M,)`` is called once for all
-    completions plus the final images. Returns ``(values, nfe)`` with ``nfe`` = model calls × rows.
+    ``score(images (M, 3, H, W), row_index (M,)) -> rewards (M,)`` is called twice: on the ``B``
+    final images, in a background thread while the completions run (a reward outside torch then
+    costs no wall time), and on all completions at once. Returns ``(values, nfe)`` with ``nfe`` =
+    model calls × rows.
     """
     b, n = ro.logp.shape
     deterministic = (ro.std == 0).all(dim=0)  # (N,)
@@ -117,16 +120,18 @@ def state_values(
         nfe[0] += x.shape[0]
         return chunked_velocity(model, x, sigma, cond, rows[row_of[live]], batch_size)
 
-    finals = ro.states[:, -1]
-    if len(start):
-        x = ro.states[row_of, start]
-        clean = complete(velocity, x, sigmas, start, estimator, substeps, with_rows=True)
-        finals = torch.cat([finals, clean])
-    rewards = score(model.decode(finals), torch.cat([torch.arange(b), row_of]))
     values = torch.full((b, n + 1), math.nan)
-    values[:, n] = rewards[:b]
-    if len(start):
-        values[row_of, start] = rewards[b:]
+    finals = model.decode(ro.states[:, -1])
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        final_rewards = pool.submit(score, finals, torch.arange(b))
+        clean = None
+        if len(start):
+            clean = complete(
+                velocity, ro.states[row_of, start], sigmas, start, estimator, substeps, with_rows=True
+            )
+        values[:, n] = final_rewards.result()
+    if clean is not None:
+        values[row_of, start] = score(model.decode(clean), row_of)
     for i in range(n - 1, -1, -1):
         if copy[i]:
             values[:, i] = values[:, i + 1]

@@ -213,29 +213,34 @@ class Session:
         )
 
 
-def make_score_fn(reward: Reward, spec: str, prompts, metas, rows, skip_bad: bool):
+class ScoreFn:
     """``score(images, traj_index) -> (M,)`` with the checks of SPEC: a reward that raises or returns
-    NaN/inf stops the run with the reward and prompt named (or, with ``skip_bad``, yields NaN)."""
+    NaN/inf stops the run with the reward and prompt named (or, with ``skip_bad``, yields NaN).
+    ``components`` keeps each call's per-reward components (for ``reward/<name>`` of a mix)."""
 
-    def score(images, traj_index):
-        p = [prompts[j] for j in rows[traj_index].tolist()]
-        m = [metas[j] for j in rows[traj_index].tolist()]
+    def __init__(self, reward: Reward, spec: str, prompts, metas, rows, skip_bad: bool):
+        self.reward, self.spec, self.prompts, self.metas = reward, spec, prompts, metas
+        self.rows, self.skip_bad = rows, skip_bad
+        self.components: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, images, traj_index) -> torch.Tensor:
+        p = [self.prompts[j] for j in self.rows[traj_index].tolist()]
+        m = [self.metas[j] for j in self.rows[traj_index].tolist()]
         try:
-            values = reward(images, p, m)
+            values, components = self.reward.score(images, p, m)
         except Exception as exc:
-            if skip_bad:
+            if self.skip_bad:
                 return torch.full((len(p),), math.nan)
-            raise RuntimeError(f"reward {spec!r} failed on prompts like {p[0]!r}: {exc}") from exc
+            raise RuntimeError(f"reward {self.spec!r} failed on prompts like {p[0]!r}: {exc}") from exc
+        self.components.append(components)
         bad = ~torch.isfinite(values)
-        if bad.any() and not skip_bad:
+        if bad.any() and not self.skip_bad:
             j = int(torch.nonzero(bad)[0])
             raise ValueError(
-                f"reward {spec!r} returned {values[j].item()} for prompt {p[j]!r} "
+                f"reward {self.spec!r} returned {values[j].item()} for prompt {p[j]!r} "
                 "(set skip_bad_rewards=true to drop such groups)"
             )
         return torch.where(bad, torch.full_like(values, math.nan), values)
-
-    return score
 
 
 def _eval_tables(s: Session, metas: list[dict], seed: int, images: bool = False) -> dict:
@@ -244,7 +249,7 @@ def _eval_tables(s: Session, metas: list[dict], seed: int, images: bool = False)
 
     cfg, k = s.cfg, s.cfg.eval_samples_per_prompt
     ema = s.ema.applied() if s.ema is not None else contextlib.nullcontext()
-    with torch.no_grad(), ema:
+    with torch.no_grad(), ema, s.policy.merged():
         if cfg.reward == "shapes":
             return evaluate(
                 s.model,

@@ -31,7 +31,7 @@ from flowcredit.config import Config, apply_overrides, from_dict, load_config, t
 from flowcredit.losses import approx_kl, clipfrac, clipped_surrogate, kl_to_reference
 from flowcredit.rollout import needed_states, rollout, state_values
 from flowcredit.runlog import RunLog, plot_curves
-from flowcredit.session import Session, evaluate_policy, final_artifacts, make_score_fn
+from flowcredit.session import ScoreFn, Session, evaluate_policy, final_artifacts
 
 
 def seeded(seed: int, iteration: int, purpose: int) -> torch.Generator:
@@ -76,20 +76,21 @@ def grpo_iteration(s: Session, it: int) -> dict:
         cond = model.encode(prompts)
     sde_gen = seeded(cfg.seed + 7919 * s.dist.rank, it, 2)
     ro = rollout(model, cond, rows, x0, s.sigmas, s.levels, s.step_fn, sde_gen, cfg.logp_mode, cfg.batch_size)
-    score = make_score_fn(s.reward, cfg.reward, prompts, metas, rows, cfg.skip_bad_rewards)
-    values, nfe_values = state_values(
-        model,
-        cond,
-        rows,
-        ro,
-        s.sigmas,
-        cfg.credit,
-        s.trained,
-        cfg.estimator,
-        cfg.substeps,
-        score,
-        cfg.batch_size,
-    )
+    score = ScoreFn(s.reward, cfg.reward, prompts, metas, rows, cfg.skip_bad_rewards)
+    with s.policy.merged():  # values never enter logp_old: the faster merged weights are safe here
+        values, nfe_values = state_values(
+            model,
+            cond,
+            rows,
+            ro,
+            s.sigmas,
+            cfg.credit,
+            s.trained,
+            cfg.estimator,
+            cfg.substeps,
+            score,
+            cfg.batch_size,
+        )
     bad = torch.isnan(values[:, needed_states(cfg.credit, s.trained)]).any(dim=1)  # (B,)
     bad_groups = torch.unique(rows[bad])
     ok = ~torch.isin(rows, bad_groups)
@@ -106,8 +107,8 @@ def grpo_iteration(s: Session, it: int) -> dict:
         "reward/mean": (total[0] / total[1]).item() if total[1] else math.nan,
         "reward/std": final.std(unbiased=False).item() if len(final) else math.nan,
         **{
-            f"reward/{k}": v[: len(rows)][ok].mean().item()
-            for k, v in s.reward.last_components.items()
+            f"reward/{k}": v[ok].mean().item()
+            for k, v in (score.components[0] if score.components else {}).items()  # [0]: the final images
             if len(s.reward.fns) > 1
         },
         "adv/abs_mean": adv[:, s.trained].abs().mean().item(),

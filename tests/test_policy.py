@@ -51,6 +51,22 @@ def test_merged_weights_reproduce_the_lora_policy():
     torch.testing.assert_close(_velocity(merged), _velocity(model), rtol=1e-3, atol=1e-4)
 
 
+def test_merged_context_runs_the_policy_and_restores_weights_exactly():
+    model = load_builtin()
+    policy = Policy(model, "lora", lora_rank=2, lora_alpha=4.0, seed=0)
+    _perturb(policy.parameters())
+    before = {n: t.clone() for n, t in model.net.state_dict().items()}
+    unmerged = _velocity(model)
+    with policy.merged():
+        merged = _velocity(model)
+        changed = [n for n, t in model.net.state_dict().items() if not torch.equal(t, before[n])]
+    assert changed and all(n.endswith("base_layer.weight") for n in changed)  # LoRA folded into the base
+    torch.testing.assert_close(merged, unmerged, rtol=1e-3, atol=1e-4)
+    after = model.net.state_dict()
+    assert all(torch.equal(after[n], before[n]) for n in before)  # bit-exact, not merely unmerged
+    assert torch.equal(_velocity(model), unmerged)
+
+
 def test_lora_targets_errors_and_text_needs_text_module():
     model = load_builtin()
     with pytest.raises(ValueError, match="lora_targets"):

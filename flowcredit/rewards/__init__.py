@@ -177,17 +177,22 @@ class Reward:
         self.last_components: dict[str, torch.Tensor] = {}
 
     def __call__(self, images, prompts, metadata) -> torch.Tensor:
+        total, self.last_components = self.score(images, prompts, metadata)
+        return total
+
+    def score(self, images, prompts, metadata) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``(total (B,), {name: component (B,)})`` without touching ``last_components`` (thread-safe)."""
         total = torch.zeros(images.shape[0], dtype=torch.float32)
-        self.last_components = {}
+        components = {}
         for name, fn in self.fns.items():
             value = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).reshape(-1).cpu()
             if value.shape[0] != images.shape[0]:
                 raise ValueError(
                     f"reward {name!r} returned {value.shape[0]} values for {images.shape[0]} images"
                 )
-            self.last_components[name] = value
+            components[name] = value
             total = total + self.weights[name] * value
-        return total
+        return total, components
 
 
 def get_reward(spec: str | dict[str, float], options: dict | None = None) -> Reward:
