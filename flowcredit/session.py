@@ -283,6 +283,9 @@ def evaluate_policy(s: Session, tag: str | None) -> dict:
         res = _eval_tables(s, metas, s.cfg.eval_seed, images=tag is not None)
         overall = res["table"]["overall"]
         out[f"eval/{name}/soft"], out[f"eval/{name}/strict"] = overall["soft"], overall["strict"]
+        for cat, row in res["table"].items():  # per ShapeEval category (held-out set only)
+            if name == "test" and cat != "overall" and len(res["table"]) > 2:
+                out[f"eval/test/{cat}/soft"], out[f"eval/test/{cat}/strict"] = row["soft"], row["strict"]
         if tag is not None:
             _save_grid(s, res, metas, f"grid_{tag}_{name}.png")
         if tag == "start":

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from flowcredit import bench
+from flowcredit import bench, bench_report
 
 
 def test_quick_bench_writes_results_and_is_resumable(tmp_path, monkeypatch):
@@ -33,6 +33,10 @@ def test_quick_bench_writes_results_and_is_resumable(tmp_path, monkeypatch):
     assert "| flow_grpo |" in table and "| tp_grpo |" in table and "(one seed)" in table
     for key in ("iteration", "seconds", "nfe"):
         assert (out / f"reward_vs_{key}.png").stat().st_size > 1000
+    assert (out / "categories.png").stat().st_size > 1000  # held-out per-category bars
+    assert results["table"][0]["primary"] == "train"  # the demo task trains on 4 prompts: scored too
+    for run in results["runs"]["flow_grpo"]:
+        assert all("train" in p for p in run["points"]) and run["categories_final"]
 
     # a second invocation reads the finished runs: no training at all, same numbers
     stamp = {p: p.stat().st_mtime_ns for p in (out / "runs").rglob("metrics.jsonl")}
@@ -56,7 +60,9 @@ def test_changed_config_is_not_mixed_into_an_existing_bench(tmp_path):
 
 
 def _args(**kw):
-    base = dict(presets="flow_grpo,dense_grpo,stepwise_grpo,tp_grpo", quick=True, ablations=False)
+    base = dict(
+        presets="flow_grpo,dense_grpo,stepwise_grpo,tp_grpo", quick=True, ablations=False, task="demo"
+    )
     return argparse.Namespace(**{**base, "minutes": 0.0, "iterations": None, **kw})
 
 
@@ -82,10 +88,10 @@ def test_ablations_and_budgets_are_planned():
 
 
 def test_confidence_interval_and_mean_curve():
-    mean, half = bench.ci95([0.4, 0.5, 0.6])
+    mean, half = bench_report.ci95([0.4, 0.5, 0.6])
     assert mean == pytest.approx(0.5)
     assert half == pytest.approx(4.302653 * 0.1 / math.sqrt(3), rel=1e-5)  # t_{0.975, 2} · s / √n
-    assert math.isnan(bench.ci95([0.3])[1])
+    assert math.isnan(bench_report.ci95([0.3])[1])
     runs = [
         {
             "points": [
@@ -94,6 +100,41 @@ def test_confidence_interval_and_mean_curve():
         }
         for v in ((0.2, 0.4, 0.6), (0.4, 0.6))  # the second seed stopped early (wall-clock budget)
     ]
-    curve = bench.mean_curve(runs)
+    curve = bench_report.mean_curve(runs)
     assert [p["iteration"] for p in curve] == [0, 5]
     assert [p["soft"] for p in curve] == pytest.approx([0.3, 0.5])
+
+
+def _run(points, cats=None):
+    pts = [
+        {"iteration": i, "seconds": t, "nfe": 10 * i, "soft": 0.5, "strict": 0.2, "train": v}
+        for i, t, v in points
+    ]
+    return {
+        "points": pts,
+        "iterations": pts[-1]["iteration"],
+        "seconds": pts[-1]["seconds"],
+        "noise_floor": 0.01,
+        "train_floor": 0.02,
+        "nfe_per_iteration": [1, 2, 3],
+        "setup_seconds": 5.0,
+        "categories_start": cats or {},
+        "categories_final": cats or {},
+    }
+
+
+def test_summary_reach_and_equal_seconds_on_the_trained_prompts():
+    results = {
+        "flow_grpo": [_run([(0, 0, 0.6), (2, 20, 0.65), (4, 40, 0.7)])] * 2,  # budget 40 s, target 0.7
+        "dense_grpo": [_run([(0, 0, 0.6), (2, 50, 0.75), (4, 100, 0.8)])] * 2,
+    }
+    cells = [{"name": n} for n in results]
+    flow, dense = bench_report.summarise(cells, results)
+    assert flow["primary"] == "train" and flow["target"] == pytest.approx(0.7)
+    assert (dense["reach_iteration"], dense["reach_seconds"]) == (2, 50)
+    assert (dense["at_flow_seconds"], dense["at_flow_seconds_iteration"]) == (
+        0.6,
+        0,
+    )  # only iteration 0 ≤ 40 s
+    assert (flow["at_flow_seconds"], flow["at_flow_seconds_iteration"]) == (pytest.approx(0.7), 4)
+    assert dense["train"][0] == pytest.approx(0.8) and dense["train_start"] == pytest.approx(0.6)
