@@ -28,7 +28,8 @@ step() { # step NAME COMMAND...: run it, print and remember its exit code, never
     return 0
 }
 
-install_diffusers() {
+install_diffusers() { # a machine that already has diffusers (pip install -e ".[diffusers]") skips this
+    python3 -c "import diffusers" 2>/dev/null && return 0
     python3 -m pip install --no-deps --no-index .gpuwheels/diffusers-*.whl && return 0
     echo "pip install failed: unpacking the wheel into $SITE instead"
     python3 -m zipfile -e .gpuwheels/diffusers-*.whl "$SITE"
