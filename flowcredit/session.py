@@ -230,6 +230,7 @@ class ScoreFn:
             values, components = self.reward.score(images, p, m)
         except Exception as exc:
             if self.skip_bad:
+                self.components.append({})  # keeps components[k] aligned with the k-th call
                 return torch.full((len(p),), math.nan)
             raise RuntimeError(f"reward {self.spec!r} failed on prompts like {p[0]!r}: {exc}") from exc
         self.components.append(components)
