@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from flowcredit.bench_report import summarise, write_plots, write_table
-from flowcredit.config import Config, load_config, trained_window
+from flowcredit.config import Config, demo, load_config, trained_window
 
 QUICK = (
     "--iterations 2 --prompts_per_iter 2 --group_size 4 --num_steps 5 --window_size 0 "
@@ -35,21 +35,21 @@ QUICK = (
 """``--quick``: a few-minute smoke run (window_size 0 = every trainable step of the 5)."""
 
 
-def _demo_prompts() -> str:
-    from importlib import resources
+DEMO_RECIPE = (
+    *("train_prompts", "prompts_per_iter", "group_size", "window_size", "steps_per_update", "lr"),
+    *("num_eval_prompts", "eval_samples_per_prompt", "iterations"),
+)
+"""The fields of the ``demo`` preset that make up the recipe (not its sampler, noise or credit)."""
 
-    return str(resources.files("flowcredit") / "tasks" / "data" / "demo_prompts.jsonl")
+
+def _demo_task() -> list[str]:
+    """The ``demo`` preset's recipe as overrides, plus the bench's budget and evaluation settings."""
+    recipe = demo()
+    task = [s for name in DEMO_RECIPE for s in (f"--{name}", str(getattr(recipe, name)))]
+    return task + ["--max_minutes", "0", "--calib_max_iters", "4", "--calib_groups", "2", "--eval_every", "2"]
 
 
-TASKS = {
-    "demo": lambda: [
-        *("--train_prompts", _demo_prompts(), "--prompts_per_iter", "4", "--group_size", "12"),
-        *("--window_size", "5", "--steps_per_update", "1", "--lr", "3e-4"),
-        *("--num_eval_prompts", "16", "--eval_samples_per_prompt", "8", "--max_minutes", "0"),
-        *("--calib_max_iters", "4", "--calib_groups", "2", "--iterations", "10", "--eval_every", "2"),
-    ],
-    "presets": lambda: ["--iterations", "40", "--eval_every", "5"],
-}
+TASKS = {"demo": _demo_task, "presets": lambda: ["--iterations", "40", "--eval_every", "5"]}
 """``--task``: ``demo`` = the demo recipe (docs/recipes.md: 4 counting prompts × 12, LoRA r 4, lr 3e-4,
 an SDE window of 5 steps) with each method's own sampler, noise and credit, 10 iterations, evaluated every
 2; ``presets`` = the presets' own settings (the whole train set, 4 groups × 16), 40 iterations."""
