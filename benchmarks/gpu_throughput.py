@@ -6,8 +6,8 @@ No weights are downloaded. The pipeline is built in memory from diffusers classe
 the VAE in float32, as ``SD3FlowModel.from_pretrained`` loads them. Only the text encoders are small
 (1–2 random layers, word-level tokenizer), with SD3's output widths (CLIP-L 768, CLIP-G 1280, T5 4096)
 and sequence lengths (77 CLIP + 256 T5 tokens), so the transformer sees real SD3.5 input shapes. The
-trainer gets this pipeline by a substitute for ``flowcredit.session.load_model`` (loading weights is
-all it skips). Random weights cost what trained ones do; the reward is jpeg compressibility (CPU).
+trainer is handed this adapter (``build_session(cfg, model=…)``; loading weights is all it skips).
+Random weights cost what trained ones do; the reward is jpeg compressibility (CPU).
 
     bash benchmarks/gpu_check.sh                                       # on the GPU machine
     flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/gpu_throughput.py --small   # CPU check
@@ -25,21 +25,19 @@ import os
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_diffusers' helpers
 
-from throughput import PRESETS, phase_timers  # noqa: E402
 from tiny_diffusers import _clip_config, _t5, tokenizer  # noqa: E402
 
-import flowcredit.session as session_mod  # noqa: E402
-import flowcredit.train as train_mod  # noqa: E402
-from flowcredit.config import load_config  # noqa: E402
+from flowcredit.config import COMPARED_PRESETS, load_config  # noqa: E402
 from flowcredit.models.diffusers_common import default_device, resolve_dtype  # noqa: E402
 from flowcredit.models.sd3 import SD3FlowModel  # noqa: E402
+from flowcredit.run.session import build_session  # noqa: E402
+from flowcredit.train import grpo_iteration  # noqa: E402
 
 CLIP_TOKENS, T5_TOKENS = 77, 256  # SD3's text sequence: 77 CLIP tokens (L and G side by side) + 256 T5
 PROMPTS = ["a photo of a red cat", "a big blue square on the sign", "a small green dog", "the yellow circle"]
@@ -110,18 +108,6 @@ def build_adapter(small: bool, resolution: int, dtype: str = "auto", seed: int =
     return SD3FlowModel(pipe, resolution=resolution).to(default_device())
 
 
-@contextmanager
-def random_weight_loader(small: bool):
-    """``Session.open`` builds its model through ``flowcredit.session.load_model``: hand it the adapter
-    on a fresh random pipeline (what ``sd3.load_for_training`` returns, minus reading weights)."""
-    saved = session_mod.load_model
-    session_mod.load_model = lambda cfg: build_adapter(small, cfg.resolution, cfg.dtype, cfg.seed)
-    try:
-        yield
-    finally:
-        session_mod.load_model = saved
-
-
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -131,7 +117,7 @@ def velocity_rate(model, prompts_per_call: int, samples: int, trials: int = 2) -
     """samples·forward/s of ``model.velocity`` (CFG rows counted twice, as ``nfe/*`` counts): best of
     ``trials`` timings of about ``samples`` samples, after a warm-up call; latents on the CPU, as the
     trainer passes them."""
-    b, mult = prompts_per_call, model.nfe_per_call
+    b, mult = prompts_per_call, model.guidance_passes
     cond = model.encode([PROMPTS[0]] * b)
     x, sigma = torch.randn(b, *model.latent_shape), torch.full((b,), 0.5)
     calls, best = max(2, samples // (b * mult)), math.inf
@@ -166,22 +152,21 @@ def iteration_cost(preset: str, args, peak: float) -> dict:
         prompts_file = Path(tmp) / "prompts.txt"
         prompts_file.write_text("\n".join(PROMPTS) + "\n")
         t0 = time.perf_counter()
-        with random_weight_loader(args.small):
-            s = session_mod.Session.open(preset_config(preset, args, Path(tmp) / "run", prompts_file), False)
+        cfg = preset_config(preset, args, Path(tmp) / "run", prompts_file)
+        s = build_session(cfg, model=build_adapter(args.small, cfg.resolution, cfg.dtype, cfg.seed))
         setup = time.perf_counter() - t0
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        times = {}
-        with phase_timers(times):
-            sync()
-            t0 = time.perf_counter()
-            m = train_mod.grpo_iteration(s, 0)
-            sync()
-            seconds = time.perf_counter() - t0
+        sync()
+        t0 = time.perf_counter()
+        m = grpo_iteration(s, 0)
+        sync()
+        seconds = time.perf_counter() - t0
     nfe = {k: int(m[f"nfe/{k}"]) for k in ("rollout", "values", "train")}
     floor = sum(nfe.values()) / peak
     memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
-    times["values"] = times.pop("state_values", 0.0)
+    times = {k: m[f"time/{k}_s"] for k in ("rollout", "values", "reward")}  # the trainer's phase clock
+    times["ppo_update"] = m["time/update_s"]
     cost = dict(preset=preset, setup_s=setup, seconds=seconds, nfe=nfe, floor_s=floor, ratio=seconds / floor)
     return cost | dict(phases=times, peak_memory_gib=memory)
 
@@ -225,8 +210,10 @@ def measure_rates(args, results: dict) -> float:
             rate = velocity_rate(model, b, args.samples)
         except Exception as exc:  # e.g. out of memory at the largest batch: keep the other rows
             rate, results[f"velocity_error_{b}"] = math.nan, f"{type(exc).__name__}: {exc}"[:500]
-        results["velocity"].append(dict(prompts_per_call=b, rows_per_call=b * model.nfe_per_call, rate=rate))
-        print(f"| {b} | {b * model.nfe_per_call} | {rate:.1f} |", flush=True)
+        results["velocity"].append(
+            dict(prompts_per_call=b, rows_per_call=b * model.guidance_passes, rate=rate)
+        )
+        print(f"| {b} | {b * model.guidance_passes} | {rate:.1f} |", flush=True)
         save(results)
     return max([r["rate"] for r in results["velocity"] if r["rate"] > 0] or [math.nan])
 
@@ -254,7 +241,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--small", action="store_true", help="a tiny transformer, VAE and 64 px (CPU check)")
     p.add_argument("--json", default="", help="write the results here (rewritten after every measurement)")
-    p.add_argument("--presets", default=",".join(PRESETS))
+    p.add_argument("--presets", default=",".join(COMPARED_PRESETS))
     p.add_argument("--batch_sizes", default="1,2,4,8,16", help="prompts per velocity call")
     p.add_argument("--samples", type=int, default=64, help="samples per velocity timing")
     p.add_argument("--steps", type=int, default=10)

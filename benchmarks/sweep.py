@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from flowcredit.config import load_config
-from flowcredit.runlog import read_metrics
+from flowcredit.run.runlog import read_metrics
 from flowcredit.train import train
 
 

@@ -1,4 +1,4 @@
-"""Cost of a GRPO iteration against its compute floor (SPEC §9), on this machine, in one run.
+"""Cost of a GRPO iteration against its compute floor (docs/benchmarks.md, "Cost model"), on this machine.
 
 1. Peak rate of the built-in model: samples·forward/s of ``model.velocity`` over batch sizes, with CFG
    as the trainer runs it (guided: both branches in one batch, counted twice, as ``nfe/*`` counts);
@@ -25,22 +25,20 @@ import math
 import pstats
 import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
-import flowcredit.train as train_mod
-from flowcredit.config import load_config
+from flowcredit.config import COMPARED_PRESETS, load_config
 from flowcredit.models.tiny import load_builtin
-from flowcredit.policy import Policy
-from flowcredit.rollout import chunked_velocity
+from flowcredit.run.policy import Policy
+from flowcredit.run.rollout import chunked_velocity
+from flowcredit.run.session import build_session
 from flowcredit.schedule import sigmas as make_sigmas
-from flowcredit.session import Session
 from flowcredit.tasks.shapes import load_prompts
+from flowcredit.train import grpo_iteration
 from flowcredit.values import complete
-
-PRESETS = ("flow_grpo", "dense_grpo", "stepwise_grpo", "tp_grpo")
 
 
 def forward_rate(model, b: int, samples: int = 256, trials: int = 2) -> float:
@@ -77,51 +75,21 @@ def small_config(preset: str, run_dir: Path, prompts: int, group: int):
     return load_config(preset, None, overrides)
 
 
-@contextmanager
-def phase_timers(times: dict):
-    """Time ``rollout``, ``state_values``, the reward calls inside it, and ``ppo_update`` of train.py."""
-    saved = {k: getattr(train_mod, k) for k in ("rollout", "state_values", "ppo_update", "ScoreFn")}
-
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                times[name] = times.get(name, 0.0) + time.perf_counter() - t0
-
-        return wrapper
-
-    for name in ("rollout", "state_values", "ppo_update"):
-        setattr(train_mod, name, timed(name, saved[name]))
-
-    class TimedScore(saved["ScoreFn"]):
-        def __call__(self, *args):
-            return timed("reward", super().__call__)(*args)
-
-    train_mod.ScoreFn = TimedScore
-    try:
-        yield times
-    finally:
-        for name, fn in saved.items():
-            setattr(train_mod, name, fn)
-
-
 def iteration_cost(preset: str, peak: float, prompts: int, group: int, merged_values: bool = True) -> dict:
     """The first iteration of ``preset`` (one-off kernel selection included: about 0–10 % here):
     seconds per phase, NFE, ratio to the floor. ``merged_values=False`` runs the value completions
     on the unmerged LoRA policy, as the trainer did before it merged them (the before/after row)."""
     with tempfile.TemporaryDirectory() as tmp:
-        s = Session.open(small_config(preset, Path(tmp) / "run", prompts, group), resume=False)
+        s = build_session(small_config(preset, Path(tmp) / "run", prompts, group), resume=False)
         if not merged_values:
             s.policy.merged = nullcontext
-        times = {}
-        with phase_timers(times):
-            t0 = time.perf_counter()
-            m = train_mod.grpo_iteration(s, 0)
-            total = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        m = grpo_iteration(s, 0)
+        total = time.perf_counter() - t0
     nfe = {k: m[f"nfe/{k}"] for k in ("rollout", "values", "train")}
-    times["values"] = times.pop("state_values")  # completions + decode + the reward wait
+    # the trainer's own phase clock; "values" = completions + decode + the reward wait
+    times = {k: m[f"time/{k}_s"] for k in ("rollout", "values", "reward")}
+    times["ppo_update"] = m["time/update_s"]
     floor = sum(nfe.values()) / peak
     name = preset if merged_values else f"{preset} (unmerged values: before)"
     return {"preset": name, "seconds": total, "nfe": nfe, "floor": floor, "ratio": total / floor, **times}
@@ -173,10 +141,10 @@ def lockstep_vs_separate(trajectories: int, batch_size: int = 64) -> dict:
 def profile_iteration(preset: str, prompts: int, group: int, top: int = 25) -> None:
     """cProfile of one iteration (after a warm-up one): the functions with the most own time."""
     with tempfile.TemporaryDirectory() as tmp:
-        s = Session.open(small_config(preset, Path(tmp) / "run", prompts, group), resume=False)
-        train_mod.grpo_iteration(s, 0)
+        s = build_session(small_config(preset, Path(tmp) / "run", prompts, group), resume=False)
+        grpo_iteration(s, 0)
         prof = cProfile.Profile()
-        prof.runcall(train_mod.grpo_iteration, s, 1)
+        prof.runcall(grpo_iteration, s, 1)
     stats = pstats.Stats(prof).strip_dirs()
     stats.sort_stats("cumulative").print_stats(top)
     stats.sort_stats("tottime").print_stats(top)
@@ -211,7 +179,7 @@ def print_tables(rates: dict, costs: list[dict], lock: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--presets", default=",".join(PRESETS))
+    p.add_argument("--presets", default=",".join(COMPARED_PRESETS))
     p.add_argument("--batch_sizes", default="8,16,32,64,128", help="prompts per velocity call")
     p.add_argument("--prompts", type=int, default=2, help="prompt groups per iteration")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")

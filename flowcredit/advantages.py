@@ -1,4 +1,5 @@
-"""Credit assignment: advantages ``(B, N)`` from state values, never from models (SPEC §5).
+"""Credit assignment: advantages ``(B, N)`` from state values, never from models
+(docs/algorithms.md §4–5).
 
 Inputs shared by every method:
 - ``values (B, N + 1)``: ``V_0 … V_N`` (``V_i`` = reward of the completion of state i, ``V_N`` = the
@@ -10,7 +11,7 @@ Step reward ``d_i = V_{i+1} − V_i``. Group statistics: ``(x − mean)/(std + e
 std (ddof = 0); a group whose entries are all equal gives exactly 0. Advantages are clipped to
 ``±adv_clip``.
 
-Methods (``ADVANTAGES``):
+Methods (``CREDITS``; ``ADVANTAGES[name]`` is the bare function of each entry):
 1. ``flow_grpo`` (Liu et al. 2025): the z-scored terminal reward on every trained step;
    ``global_std=True`` takes the std over the whole batch (their default) with the group mean.
 2. ``dense`` (DenseGRPO, Deng et al. 2025): ``d_i`` z-scored per (group, step).
@@ -25,7 +26,9 @@ exactly 0 belongs to neither sign and returns to ``d_i``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,7 +80,7 @@ def _broadcast_trained(trained: torch.Tensor, b: int) -> torch.Tensor:
     return trained.view(1, -1).expand(b, -1)
 
 
-def flow_grpo(values, group, trained, *, eps=1e-4, adv_clip=5.0, global_std=False, **_unused):
+def flow_grpo(values, group, trained, *, eps=1e-4, adv_clip=5.0, global_std=False):
     """Flow-GRPO: ``A_b = (V_N − mean_g)/(std + eps)`` copied to every trained step.
 
     ``global_std=True``: ``std`` over the whole batch instead of the group (group mean kept).
@@ -98,14 +101,14 @@ def flow_grpo(values, group, trained, *, eps=1e-4, adv_clip=5.0, global_std=Fals
     return adv.float()
 
 
-def dense(values, group, trained, *, eps=1e-4, adv_clip=5.0, **_unused):
+def dense(values, group, trained, *, eps=1e-4, adv_clip=5.0):
     """DenseGRPO: ``A_{b,i}`` = z-score of ``d_{b,i}`` over the group at the same step i."""
     _check(values, group, trained)
     mask = _broadcast_trained(trained, values.shape[0])
     return group_zscore(step_rewards(values), group, mask, eps).clamp(-adv_clip, adv_clip)
 
 
-def stepwise(values, group, trained, *, eps=1e-4, adv_clip=5.0, **_unused):
+def stepwise(values, group, trained, *, eps=1e-4, adv_clip=5.0):
     """Stepwise-Flow-GRPO: ``(d_{b,i} − m)/(s + eps)``, m and s over all (member, trained step) pairs."""
     _check(values, group, trained)
     mask = _broadcast_trained(trained, values.shape[0])
@@ -179,7 +182,6 @@ def turning_point(
     constrained=True,
     first_step=True,
     balance="group",
-    **_unused,
 ):
     """TP-GRPO: ``d_i`` replaced by ``agg_i = V_N − V_i`` at (balanced) turning points, then
     z-scored per (group, step). ``balance``: ``"group"`` (default) or ``"none"``."""
@@ -198,10 +200,78 @@ def turning_point(
 
 
 AdvantageFn = Callable[..., torch.Tensor]
+"""``(values (B, N + 1), group (B,), trained (N,), *, eps, adv_clip, **options) -> (B, N)``."""
 
-ADVANTAGES: dict[str, AdvantageFn] = {
-    "flow_grpo": flow_grpo,
-    "dense": dense,
-    "stepwise": stepwise,
-    "turning_point": turning_point,
-}
+NEEDS = ("final", "states")
+"""What a credit method reads: ``"final"`` = only ``V_N`` (the sampled image's reward);
+``"states"`` = also ``V_i`` at both ends of every trained step (completions of intermediate states)."""
+
+
+@dataclass(frozen=True)
+class Credit:
+    """A registered credit method: the function, what it needs, and its own options.
+
+    Attributes:
+        fn: the advantage function; it takes ``eps`` and ``adv_clip`` (shared by every method) and
+            exactly the keywords named in ``options``.
+        needs: ``"final"`` or ``"states"`` (see :data:`NEEDS`).
+        options: ``{keyword: default}`` of the method's own options; the config gives them as
+            ``credit_options`` (JSON), and an unknown key there is an error naming it.
+        fields: ``{keyword: config field}`` for options that also have a config field of their own
+            (the built-in methods' ``global_std`` and ``tp_*``); external methods leave it empty.
+    """
+
+    fn: AdvantageFn
+    needs: str
+    options: Mapping[str, object] = field(default_factory=dict)
+    fields: Mapping[str, str] = field(default_factory=dict)
+
+
+CREDITS: dict[str, Credit] = {}
+"""Every credit method by name (the ``credit`` config field)."""
+
+ADVANTAGES: dict[str, AdvantageFn] = {}
+"""``name -> fn`` for every entry of :data:`CREDITS` (the public math API keeps this dict)."""
+
+
+def register_credit(
+    name: str,
+    fn: AdvantageFn,
+    needs: str,
+    options: Mapping[str, object] | None = None,
+    fields: Mapping[str, str] | None = None,
+) -> Credit:
+    """Register a credit method under ``name`` (``--credit name``); returns its entry.
+
+    ``fn(values, group, trained, *, eps, adv_clip, **options)`` must accept every option as a
+    keyword. Raises ``ValueError`` for a taken name, an unknown ``needs`` or an option that ``fn``
+    does not accept.
+    """
+    if name in CREDITS:
+        raise ValueError(f"credit method {name!r} is already registered")
+    if needs not in NEEDS:
+        raise ValueError(f"credit method {name!r}: needs must be one of {NEEDS}, got {needs!r}")
+    options, fields = dict(options or {}), dict(fields or {})
+    params = inspect.signature(fn).parameters
+    for key in ("eps", "adv_clip", *options):
+        if key not in params:
+            raise ValueError(f"credit method {name!r}: its function takes no keyword {key!r}")
+    unknown = set(fields) - set(options)
+    if unknown:
+        raise ValueError(f"credit method {name!r}: fields name options it does not have: {sorted(unknown)}")
+    entry = Credit(fn, needs, options, fields)
+    CREDITS[name] = entry
+    ADVANTAGES[name] = fn
+    return entry
+
+
+register_credit("flow_grpo", flow_grpo, "final", {"global_std": False}, {"global_std": "global_std"})
+register_credit("dense", dense, "states")
+register_credit("stepwise", stepwise, "states")
+register_credit(
+    "turning_point",
+    turning_point,
+    "states",
+    {"constrained": True, "first_step": True, "balance": "group"},
+    {"constrained": "tp_constrained", "first_step": "tp_first_step", "balance": "tp_balance"},
+)

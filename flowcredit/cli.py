@@ -1,28 +1,34 @@
 """``flowcredit`` command line: a thin dispatcher to each command's ``main(argv)``.
 
-Modules are imported only when their command runs, so ``flowcredit --help`` is instant.
+Modules are imported only when their command runs, so ``flowcredit --help`` is instant. A user error
+(:class:`flowcredit.errors.UserError`: a bad config field, file, prompt or reward) is printed as one
+line on stderr with exit status 2; set ``FLOWCREDIT_TRACEBACK=1`` to see its traceback too. Any other
+exception is a bug and shows its traceback.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
+from flowcredit.errors import UserError
+
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("flowcredit.train", "main", "GRPO fine-tuning with step-level credit assignment"),
-    "calibrate": ("flowcredit.calibrate_cmd", "main", "DenseGRPO exploration-space calibration of ψ"),
-    "eval": ("flowcredit.evaluate", "main_eval", "evaluate a checkpoint on ShapeEval prompts"),
-    "sample": ("flowcredit.evaluate", "main_sample", "sample images for a prompt"),
-    "pretrain": ("flowcredit.pretrain", "main", "pretrain the built-in tiny model"),
-    "bench": ("flowcredit.bench", "main", "compare credit-assignment methods"),
-    "demo": ("flowcredit.demo", "main", "the default CPU fine-tuning job (make demo)"),
-    "serve-reward": ("flowcredit.reward_server", "main", "serve a registered reward over HTTP"),
+    "train": ("flowcredit.commands.train", "main", "GRPO fine-tuning with step-level credit assignment"),
+    "calibrate": ("flowcredit.commands.calibrate", "main", "DenseGRPO exploration-space calibration of ψ"),
+    "eval": ("flowcredit.commands.eval", "main_eval", "evaluate a checkpoint on ShapeEval prompts"),
+    "sample": ("flowcredit.commands.eval", "main_sample", "sample images for a prompt"),
+    "pretrain": ("flowcredit.commands.pretrain", "main", "pretrain the built-in tiny model"),
+    "bench": ("flowcredit.commands.bench", "main", "compare credit-assignment methods"),
+    "demo": ("flowcredit.commands.demo", "main", "the default CPU fine-tuning job (make demo)"),
+    "serve-reward": ("flowcredit.rewards.server", "main", "serve a registered reward over HTTP"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: flowcredit COMMAND [options]   (flowcredit COMMAND --help for details)", "", "commands:"]
-    lines += [f"  {name:<10} {doc}" for name, (_, _, doc) in COMMANDS.items()]
+    lines += [f"  {name:<12} {doc}" for name, (_, _, doc) in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -36,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flowcredit: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    result = getattr(importlib.import_module(module), func)(rest)
+    try:
+        result = getattr(importlib.import_module(module), func)(rest)
+    except UserError as exc:
+        if os.environ.get("FLOWCREDIT_TRACEBACK"):
+            raise
+        print(f"flowcredit {name}: error: {exc}", file=sys.stderr)
+        return 2
     return int(result or 0)
 
 

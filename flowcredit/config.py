@@ -8,13 +8,18 @@ the field (it never silently corrects input). ``load_config`` merges a preset, a
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flowcredit.advantages import ADVANTAGES
+from flowcredit.advantages import CREDITS
+from flowcredit.errors import ConfigError, UserError
 from flowcredit.losses import KL_MODES
-from flowcredit.sde import LOGP_MODES, SAMPLERS
+from flowcredit.models.registry import MODELS, is_model_spec
+from flowcredit.sde import LOGP_MODES, SAMPLER_ENTRIES
 from flowcredit.values import ESTIMATORS
 
 TRAIN_PARAMS = ("lora", "text", "lora+text", "all")
@@ -33,9 +38,12 @@ class Config:
     """Stop after this many minutes of training (0: no limit); a checkpoint is written first."""
     threads: int = 2
     """torch intra-op threads (one per core here; one per rank under torchrun)."""
+    imports: str = ""
+    """Comma list of Python modules imported before validation (they may register credit methods,
+    samplers or presets: ``--imports my_methods --credit my_method``)."""
     # --- model ---
     model: str = "tiny"
-    """Model adapter: 'tiny' (built-in ShapeEval model), 'sd3' (SD3/SD3.5) or 'flux' (FLUX.1)."""
+    """Adapter: 'tiny' (built-in ShapeEval model), 'sd3' (SD3/SD3.5), 'flux' (FLUX.1) or 'pkg.mod:load'."""
     checkpoint: str = "builtin"
     """Base weights: 'builtin' (shipped tiny model), a checkpoint directory, or a diffusers hub id / dir."""
     resolution: int = 0
@@ -63,7 +71,7 @@ class Config:
     shift: float = 1.0
     """Schedule shift s (SD3.5: 3.0)."""
     sampler: str = "flow_sde"
-    """Rollout sampler: one of flowcredit.sde.SAMPLERS."""
+    """Rollout sampler: a name of flowcredit.sde.SAMPLER_ENTRIES (ode, flow_sde, dance_sde, cps, ddim_sde)."""
     noise_level: float = 0.7
     """The sampler's noise parameter (a / eta / alpha) on SDE steps."""
     window_start: int = 0
@@ -82,9 +90,12 @@ class Config:
     """Rows per model call in rollout and in the update (same geometry, so the first ratio is 1)."""
     # --- credit assignment ---
     credit: str = "flow_grpo"
-    """Advantage function: one of flowcredit.advantages.ADVANTAGES."""
+    """Credit method: a name of flowcredit.advantages.CREDITS (flow_grpo, dense, stepwise, turning_point)."""
+    credit_options: str = ""
+    """JSON object of the credit method's own options, e.g. '{"temperature": 0.5}' (methods registered
+    outside flowcredit; the built-in methods' options have fields of their own below)."""
     estimator: str = "ode_remaining"
-    """State-value completion: 'ode_remaining' or 'euler' (dense methods only)."""
+    """State-value completion: a name of flowcredit.values.ESTIMATORS ('ode_remaining' or 'euler')."""
     substeps: int = 5
     """Euler sub-steps k of the 'euler' estimator."""
     global_std: bool = False
@@ -161,7 +172,7 @@ def parse_value(name: str, raw: str):
     """Convert a command-line string to the type of field ``name``."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
     if name not in fields:
-        raise ValueError(f"unknown config key {name!r}; valid keys: {', '.join(sorted(fields))}")
+        raise UserError(f"unknown config key {name!r}; valid keys: {', '.join(sorted(fields))}")
     kind = _field_type(fields[name])
     try:
         if kind is bool:
@@ -171,8 +182,8 @@ def parse_value(name: str, raw: str):
         if kind in (int, float, str):
             return kind(raw)
     except ValueError:
-        raise ValueError(f"config field {name!r}: cannot read {raw!r} as {kind.__name__}") from None
-    raise ValueError(f"config field {name!r} cannot be set from the command line")
+        raise ConfigError(name, f"cannot read {raw!r} as {kind.__name__}") from None
+    raise ConfigError(name, "cannot be set from the command line")
 
 
 def from_dict(values: dict, base: Config | None = None) -> Config:
@@ -181,31 +192,101 @@ def from_dict(values: dict, base: Config | None = None) -> Config:
     fields = {f.name: f for f in dataclasses.fields(Config)}
     for key, value in values.items():
         if key not in fields:
-            raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(fields))}")
+            raise UserError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(fields))}")
         kind = _field_type(fields[key])
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ValueError(f"config field {key!r} must be {kind.__name__}, got {value!r}")
+            raise ConfigError(key, f"must be {kind.__name__}, got {value!r}")
         setattr(cfg, key, value)
     return cfg
 
 
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(f"config field {name!r}: {message}")
+        raise ConfigError(name, message)
+
+
+def credit_options(cfg: Config) -> dict:
+    """The options of ``cfg.credit``'s function: each option's registered default, replaced by its own
+    config field (built-in methods) or by ``credit_options``. Raises ``ConfigError`` naming an unknown
+    or misspelt option, an option that has a field of its own, or a value of the wrong type."""
+    entry = CREDITS[cfg.credit]
+    try:
+        given = json.loads(cfg.credit_options) if cfg.credit_options else {}
+    except json.JSONDecodeError as exc:
+        raise ConfigError("credit_options", f"not JSON ({exc.msg})") from None
+    _check(isinstance(given, dict), "credit_options", "must be a JSON object of option: value")
+    options = dict(entry.options)
+    for key, field_name in entry.fields.items():
+        options[key] = getattr(cfg, field_name)
+    for key, value in given.items():
+        known = ", ".join(sorted(entry.options)) or "none"
+        _check(
+            key in entry.options, "credit_options", f"{cfg.credit!r} has no option {key!r} (options: {known})"
+        )
+        _check(
+            key not in entry.fields,
+            "credit_options",
+            f"set {cfg.credit!r}'s option {key!r} with its own field --{entry.fields.get(key)}",
+        )
+        default = entry.options[key]
+        ok = isinstance(value, type(default)) or (isinstance(default, float) and type(value) is int)
+        _check(
+            default is None or ok,
+            "credit_options",
+            f"option {key!r} of {cfg.credit!r} must be {type(default).__name__}, got {value!r}",
+        )
+        options[key] = value
+    return options
+
+
+def _check_sampler(cfg: Config, start: int, size: int) -> None:
+    """The sampler's own constraints (from its registry entry) on the window and the noise level."""
+    entry = SAMPLER_ENTRIES[cfg.sampler]
+    _check(
+        entry.stochastic, "sampler", f"{cfg.sampler!r} has no noise, so nothing can be trained; use an SDE"
+    )
+    if entry.last_step_deterministic:
+        _check(
+            start + size < cfg.num_steps,
+            "window_size",
+            f"the last step of {cfg.sampler} is deterministic (σ' = 0) and cannot be trained",
+        )
+    if entry.first_step_deterministic:
+        _check(
+            start >= 1, "window_start", f"{cfg.sampler}'s first step (σ = 1) has std 0 and cannot be trained"
+        )
+    if entry.max_level is not None:
+        _check(
+            cfg.noise_level <= entry.max_level,
+            "noise_level",
+            f"{cfg.sampler} needs {entry.level_name} <= {entry.max_level:g}",
+        )
+
+
+def import_plugins(spec: str) -> None:
+    """Import each module of the comma list ``spec`` (the ``imports`` field); idempotent."""
+    for name in filter(None, (m.strip() for m in spec.split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError("imports", f"cannot import {name!r} ({exc})") from None
 
 
 def validate(cfg: Config) -> Config:
-    """Raise ``ValueError`` naming the field for bad values or inconsistent combinations."""
-    _check(cfg.sampler in SAMPLERS, "sampler", f"{cfg.sampler!r} is not one of {sorted(SAMPLERS)}")
-    _check(cfg.sampler != "ode", "sampler", "'ode' has no noise, so nothing can be trained; use an SDE")
-    _check(cfg.credit in ADVANTAGES, "credit", f"{cfg.credit!r} is not one of {sorted(ADVANTAGES)}")
-    _check(cfg.estimator in ESTIMATORS, "estimator", f"{cfg.estimator!r} is not one of {ESTIMATORS}")
+    """Raise ``ConfigError`` naming the field for bad values or inconsistent combinations."""
+    import_plugins(cfg.imports)
+    _check(
+        cfg.sampler in SAMPLER_ENTRIES, "sampler", f"{cfg.sampler!r} is not one of {sorted(SAMPLER_ENTRIES)}"
+    )
+    _check(cfg.credit in CREDITS, "credit", f"{cfg.credit!r} is not one of {sorted(CREDITS)}")
+    _check(cfg.estimator in ESTIMATORS, "estimator", f"{cfg.estimator!r} is not one of {sorted(ESTIMATORS)}")
     _check(cfg.logp_mode in LOGP_MODES, "logp_mode", f"{cfg.logp_mode!r} is not one of {LOGP_MODES}")
     _check(cfg.kl_mode in KL_MODES, "kl_mode", f"{cfg.kl_mode!r} is not one of {KL_MODES}")
     _check(cfg.train_params in TRAIN_PARAMS, "train_params", f"{cfg.train_params!r} not in {TRAIN_PARAMS}")
     _check(cfg.tp_balance in ("group", "none"), "tp_balance", "must be 'group' or 'none'")
+    credit_options(cfg)
     _check(cfg.num_steps >= 2, "num_steps", "must be >= 2")
     _check(cfg.group_size >= 2, "group_size", "GRPO needs at least 2 samples per prompt")
     _check(cfg.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")
@@ -215,25 +296,18 @@ def validate(cfg: Config) -> Config:
     _check(cfg.clip_range > 0, "clip_range", "must be > 0")
     _check(cfg.lr > 0, "lr", "must be > 0")
     _check(cfg.beta >= 0, "beta", "must be >= 0")
+    _check(cfg.guidance_scale >= 0, "guidance_scale", "must be >= 0 (0 keeps the model's default)")
     _check(0.0 <= cfg.ema_decay < 1.0, "ema_decay", "must be in [0, 1)")
     _check(cfg.steps_per_update >= 1, "steps_per_update", "must be >= 1")
     _check(cfg.iterations >= 0, "iterations", "must be >= 0")
-    start, size = cfg.window_start, cfg.window_size or cfg.num_steps - 1 - cfg.window_start
+    start, size = trained_window(cfg)
     _check(0 <= start < cfg.num_steps, "window_start", f"must lie in [0, {cfg.num_steps})")
     _check(
         size >= 1 and start + size <= cfg.num_steps,
         "window_size",
         f"window [{start}, {start + size}) must be non-empty and within the {cfg.num_steps} steps",
     )
-    if cfg.sampler in ("cps", "ddim_sde"):
-        _check(
-            start + size < cfg.num_steps,
-            "window_size",
-            f"the last step of {cfg.sampler} is deterministic (σ' = 0) and cannot be trained",
-        )
-    if cfg.sampler == "ddim_sde":
-        _check(cfg.noise_level <= 1.0, "noise_level", "ddim_sde needs eta <= 1 (std <= sigma_next)")
-        _check(start >= 1, "window_start", "ddim_sde's first step (σ = 1) has std 0 and cannot be trained")
+    _check_sampler(cfg, start, size)
     _check(
         not cfg.calibrate or cfg.sampler == "dance_sde",
         "calibrate",
@@ -246,7 +320,11 @@ def validate(cfg: Config) -> Config:
         not cfg.psi_path or cfg.sampler == "dance_sde", "psi_path", "a calibrated ψ needs sampler=dance_sde"
     )
     _check(not cfg.psi_path or Path(cfg.psi_path).is_file(), "psi_path", f"no file {cfg.psi_path!r}")
-    _check(cfg.model in ("tiny", "sd3", "flux"), "model", f"{cfg.model!r} is not one of tiny, sd3, flux")
+    _check(
+        is_model_spec(cfg.model),
+        "model",
+        f"{cfg.model!r} is not one of {', '.join(MODELS)} nor 'pkg.mod:load'",
+    )
     dtypes = ("auto", "float32", "bfloat16", "float16")
     _check(cfg.dtype in dtypes, "dtype", f"{cfg.dtype!r} is not one of {dtypes}")
     _check(cfg.resolution >= 0, "resolution", "must be >= 0")
@@ -254,7 +332,7 @@ def validate(cfg: Config) -> Config:
 
 
 def trained_window(cfg: Config) -> tuple[int, int]:
-    """(w, K) of the SDE window."""
+    """(w, K) of the SDE window: ``window_size`` 0 means every step from w but the last."""
     size = cfg.window_size or cfg.num_steps - 1 - cfg.window_start
     return cfg.window_start, size
 
@@ -322,26 +400,45 @@ def demo() -> Config:
     )
 
 
-PRESETS = {
-    "demo": demo,
-    "flow_grpo": flow_grpo,
-    "dense_grpo": dense_grpo,
-    "stepwise_grpo": stepwise_grpo,
-    "tp_grpo": tp_grpo,
-}
+PRESETS: dict[str, Callable[[], Config]] = {}
+"""Every preset by name (``--preset``)."""
+
+COMPARED_PRESETS: list[str] = []
+"""The presets ``flowcredit bench`` compares by default: one per credit method's own recipe."""
+
+
+def register_preset(name: str, make: Callable[[], Config], compared: bool = True) -> None:
+    """Register ``make`` as ``--preset name``; ``compared``: include it in the bench's default list."""
+    if name in PRESETS:
+        raise ValueError(f"preset {name!r} is already registered")
+    PRESETS[name] = make
+    if compared:
+        COMPARED_PRESETS.append(name)
+
+
+register_preset("demo", demo, compared=False)
+register_preset("flow_grpo", flow_grpo)
+register_preset("dense_grpo", dense_grpo)
+register_preset("stepwise_grpo", stepwise_grpo)
+register_preset("tp_grpo", tp_grpo)
 
 
 def load_config(preset: str = "flow_grpo", yaml_path: str | None = None, overrides: list[str] | None = None):
-    """Preset → YAML file → ``--key value`` overrides, then :func:`validate`."""
+    """Preset → YAML file → ``--key value`` overrides, then :func:`validate`. Modules named by an
+    ``--imports`` override are imported first, so that they can register the preset itself."""
+    pairs = dict(zip((overrides or [])[::2], (overrides or [])[1::2]))
+    import_plugins(pairs.get("--imports", ""))
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        raise UserError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[preset]()
     if yaml_path:
         import yaml
 
+        if not Path(yaml_path).is_file():
+            raise UserError(f"--config {yaml_path!r}: no such file")
         data = yaml.safe_load(Path(yaml_path).read_text()) or {}
         if not isinstance(data, dict):
-            raise ValueError(f"{yaml_path}: expected a mapping of config keys")
+            raise UserError(f"{yaml_path}: expected a mapping of config keys")
         cfg = from_dict(data, cfg)
     return apply_overrides(cfg, overrides)
 
@@ -350,10 +447,10 @@ def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
     """Apply ``["--key", "value", …]`` to ``cfg`` (typed by the field), then :func:`validate`."""
     overrides = list(overrides or [])
     if len(overrides) % 2:
-        raise ValueError(f"overrides must come as '--key value' pairs, got {overrides}")
+        raise UserError(f"overrides must come as '--key value' pairs, got {overrides}")
     for key, raw in zip(overrides[::2], overrides[1::2]):
         if not key.startswith("--"):
-            raise ValueError(f"expected '--key', got {key!r}")
+            raise UserError(f"expected '--key', got {key!r}")
         name = key[2:].replace("-", "_")
         setattr(cfg, name, parse_value(name, raw))
     return validate(cfg)

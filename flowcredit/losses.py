@@ -1,4 +1,4 @@
-"""The GRPO objective (SPEC §6): clipped surrogate, KL to the reference policy, statistics.
+"""The GRPO objective (docs/algorithms.md §6): clipped surrogate, KL to the reference policy, statistics.
 
 ``logp`` values are Gaussian log-densities averaged over latent dims (see :mod:`flowcredit.sde`), so
 ``r = exp(logp_new − logp_old)`` is the per-dimension geometric-mean likelihood ratio, as in Flow-GRPO.

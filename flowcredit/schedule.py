@@ -1,4 +1,4 @@
-"""Noise schedules σ_0 = 1 > σ_1 > … > σ_N = 0 (diffusers order, SPEC §2).
+"""Noise schedules σ_0 = 1 > σ_1 > … > σ_N = 0 (diffusers order, docs/algorithms.md §0).
 
 Pure functions of explicit numbers; no scheduler objects.
 """
@@ -25,7 +25,7 @@ def shift_sigmas(sigma: torch.Tensor, shift: float) -> torch.Tensor:
 
 
 def sigmas(num_steps: int, shift: float = 1.0) -> torch.Tensor:
-    """The sampling schedule: ``linspace(1, 0, N + 1)`` followed by the shift of SPEC §2.
+    """The sampling schedule: ``linspace(1, 0, N + 1)`` followed by the shift of docs/algorithms.md §0.
 
     Returns:
         float32 tensor ``(N + 1,)`` with ``σ_0 = 1`` and ``σ_N = 0`` exactly, strictly decreasing.

@@ -1,8 +1,8 @@
-"""One-step samplers for rectified flow, each a pure function (SPEC §3).
+"""One-step samplers for rectified flow, each a pure function (docs/algorithms.md §1).
 
-Convention (SPEC §2): ``x_σ = (1 − σ)·x̂0 + σ·ε``, the model returns ``v ≈ ε − x̂0``, a step maps
-``x`` at ``σ`` to ``x_next`` at ``σ' = sigma_next < σ`` and ``dt = σ' − σ < 0``. Predictions at a
-state: ``x̂0 = x − σ·v`` and ``x̂1 = x + (1 − σ)·v`` (the noise estimate).
+Convention (docs/algorithms.md §0): ``x_σ = (1 − σ)·x̂0 + σ·ε``, the model returns
+``v ≈ ε − x̂0``, a step maps ``x`` at ``σ`` to ``x_next`` at ``σ' = sigma_next < σ`` and
+``dt = σ' − σ < 0``. Predictions at a state: ``x̂0 = x − σ·v`` and ``x̂1 = x + (1 − σ)·v`` (the noise estimate).
 
 Every step returns :class:`SdeStep` ``(x_next, mean, std, logp)``: the transition is Gaussian,
 ``x_next ~ N(mean, std²·I)``. ``logp`` is the exact Gaussian log-density of ``x_next``
@@ -116,6 +116,18 @@ def ode_step(
     return _finish(mean, std, x, noise=noise, generator=generator, x_next=x_next, logp_mode=logp_mode)
 
 
+def flow_sde_g(sigma: torch.Tensor, sigma_next: torch.Tensor, a: float | torch.Tensor) -> torch.Tensor:
+    """Flow-SDE's diffusion coefficient ``g = a·√(σ/(1 − σ̃))``, ``σ̃ = σ'`` where ``σ = 1`` else ``σ``.
+
+    Args:
+        sigma, sigma_next: tensors of one shape (``(B,)`` per sample, or ``(N,)`` a schedule's steps).
+    Returns:
+        ``g``, same shape. DenseGRPO's calibration starts ψ here (a = 0.7).
+    """
+    sig_tilde = torch.where(sigma >= 1.0, sigma_next, sigma)
+    return a * torch.sqrt(sigma / (1.0 - sig_tilde))
+
+
 def flow_sde_step(
     v, x, sigma, sigma_next, level=0.0, *, noise=None, generator=None, x_next=None, logp_mode="gaussian"
 ) -> SdeStep:
@@ -126,8 +138,7 @@ def flow_sde_step(
     """
     v, x = v.float(), x.float()
     sig, sig_next, a = _per_sample(sigma, x), _per_sample(sigma_next, x), _per_sample(level, x)
-    sig_tilde = torch.where(sig >= 1.0, sig_next, sig)
-    g = a * torch.sqrt(sig / (1.0 - sig_tilde))
+    g = flow_sde_g(sig, sig_next, a)
     dt = sig_next - sig
     mean = _flow_drift_mean(v, x, _bcast(sig, x), _bcast(dt, x), _bcast(g, x))
     std = g * torch.sqrt(-dt)
@@ -191,18 +202,63 @@ def ddim_sde_step(
 
 StepFn = Callable[..., SdeStep]
 
-SAMPLERS: dict[str, StepFn] = {
-    "ode": ode_step,
-    "flow_sde": flow_sde_step,
-    "dance_sde": dance_sde_step,
-    "cps": cps_step,
-    "ddim_sde": ddim_sde_step,
-}
 
-DEFAULT_LEVELS: dict[str, float] = {
-    "ode": 0.0,
-    "flow_sde": 0.7,
-    "dance_sde": 0.3,
-    "cps": 0.7,
-    "ddim_sde": 0.7,
-}
+@dataclass(frozen=True)
+class Sampler:
+    """A registered sampler: its step function and the constraints the config checks.
+
+    Attributes:
+        step: the step function ``(v, x, sigma, sigma_next, level=0.0, *, noise, generator, x_next,
+            logp_mode) -> SdeStep``.
+        default_level: the paper's noise parameter (``DEFAULT_LEVELS``).
+        stochastic: False for a sampler that never adds noise (nothing to train).
+        first_step_deterministic: std is 0 at σ = 1 (the first step cannot be trained).
+        last_step_deterministic: std is 0 at σ' = 0 (the last step cannot be trained).
+        max_level: the largest valid ``level`` (None: no bound).
+        level_name: what ``level`` means (a, g, α, η), for messages and docs.
+    """
+
+    step: StepFn
+    default_level: float
+    stochastic: bool = True
+    first_step_deterministic: bool = False
+    last_step_deterministic: bool = False
+    max_level: float | None = None
+    level_name: str = "level"
+
+
+SAMPLER_ENTRIES: dict[str, Sampler] = {}
+"""Every sampler by name (the ``sampler`` config field), with its constraints."""
+
+SAMPLERS: dict[str, StepFn] = {}
+"""``name -> step function`` for every entry of :data:`SAMPLER_ENTRIES` (the public math API)."""
+
+DEFAULT_LEVELS: dict[str, float] = {}
+"""``name -> default level`` for every entry of :data:`SAMPLER_ENTRIES`."""
+
+
+def register_sampler(name: str, sampler: Sampler) -> Sampler:
+    """Register ``sampler`` under ``name`` (``--sampler name``); a taken name is an error."""
+    if name in SAMPLER_ENTRIES:
+        raise ValueError(f"sampler {name!r} is already registered")
+    SAMPLER_ENTRIES[name] = sampler
+    SAMPLERS[name] = sampler.step
+    DEFAULT_LEVELS[name] = sampler.default_level
+    return sampler
+
+
+register_sampler("ode", Sampler(ode_step, 0.0, stochastic=False))
+register_sampler("flow_sde", Sampler(flow_sde_step, 0.7, level_name="a"))
+register_sampler("dance_sde", Sampler(dance_sde_step, 0.3, level_name="g"))
+register_sampler("cps", Sampler(cps_step, 0.7, last_step_deterministic=True, level_name="alpha"))
+register_sampler(
+    "ddim_sde",
+    Sampler(
+        ddim_sde_step,
+        0.7,
+        first_step_deterministic=True,
+        last_step_deterministic=True,
+        max_level=1.0,
+        level_name="eta",
+    ),
+)

@@ -1,11 +1,11 @@
-"""``flowcredit train``: the one GRPO loop for every credit-assignment method (SPEC §7).
+"""The one GRPO loop for every credit-assignment method (docs/training.md, "One iteration").
 
 prompts → rollout (sampler, per-step noise vector, SDE window) → state values (lock-step
 completions, one reward call) → advantages (B, N) → PPO updates over the trained steps (KL to the
 reference) → EMA → evaluation with the ODE sampler and fixed noise → checkpoint.
 
-Methods differ only by what they pick from the dicts (``SAMPLERS[cfg.sampler]``,
-``ADVANTAGES[cfg.credit]``) and by the values they need. Deviations from the papers:
+Methods differ only by what they pick from the registries (``SAMPLERS[cfg.sampler]``,
+``CREDITS[cfg.credit]``, whose ``needs`` says which values to compute). Deviations from the papers:
 1. The update visits trained steps in a random order, one step (all rows) per micro-batch, with the
    rollout's batch geometry, so the first ratio is exactly 1; ``steps_per_update`` steps are
    accumulated per optimizer step (Flow-GRPO accumulates over all timesteps).
@@ -15,94 +15,56 @@ Methods differ only by what they pick from the dicts (``SAMPLERS[cfg.sampler]``,
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import signal
 import sys
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from flowcredit.advantages import ADVANTAGES
-from flowcredit.config import Config, apply_overrides, from_dict, load_config, trained_window
+from flowcredit.config import Config
 from flowcredit.losses import approx_kl, clipfrac, clipped_surrogate, kl_to_reference
-from flowcredit.rollout import needed_states, rollout, state_values
-from flowcredit.runlog import RunLog, plot_curves
-from flowcredit.session import ScoreFn, Session, evaluate_policy, final_artifacts
-
-
-def seeded(seed: int, iteration: int, purpose: int) -> torch.Generator:
-    """A generator for one purpose of one iteration (no state to checkpoint)."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + iteration * 101 + purpose)
-
-
-def noise_levels(cfg: Config, psi: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-step levels ``(N,)`` (0 = ODE step) and the trained mask ``(N,)``."""
-    w, k = trained_window(cfg)
-    trained = torch.zeros(cfg.num_steps, dtype=torch.bool)
-    trained[w : w + k] = True
-    levels = torch.where(trained, torch.full((cfg.num_steps,), cfg.noise_level), torch.zeros(cfg.num_steps))
-    if psi is not None:
-        levels = torch.where(trained, psi, torch.zeros_like(psi))
-    return levels, trained
-
-
-def local_batch(s: Session, it: int):
-    """This iteration's prompts and this rank's rows (whole groups): ``metas, prompts, rows (b,), x0``.
-
-    The prompt draw and the initial noise of all ``B`` rows are the same on every rank, so a run on
-    k processes samples exactly the rows of a single-process run.
-    """
-    cfg, world, rank = s.cfg, s.dist.world, s.dist.rank
-    pick = torch.randint(len(s.train_metas), (cfg.prompts_per_iter,), generator=seeded(cfg.seed, it, 0))
-    per_rank = cfg.prompts_per_iter // world
-    metas = [s.train_metas[i] for i in pick[rank * per_rank : (rank + 1) * per_rank].tolist()]
-    rows_all = torch.arange(cfg.prompts_per_iter).repeat_interleave(cfg.group_size)  # (B,) prompt of each row
-    n_noise = cfg.prompts_per_iter if cfg.shared_noise else len(rows_all)
-    x0 = torch.randn((n_noise, *s.model.latent_shape), generator=seeded(cfg.seed, it, 1))
-    x0 = x0[rows_all] if cfg.shared_noise else x0
-    mine = (rows_all >= rank * per_rank) & (rows_all < (rank + 1) * per_rank)
-    return metas, [m["prompt"] for m in metas], rows_all[mine] - rank * per_rank, x0[mine]
+from flowcredit.models import FlowModel
+from flowcredit.rewards import Reward
+from flowcredit.rewards.guard import ScoreFn
+from flowcredit.run.calibrate import ensure_psi
+from flowcredit.run.evaluation import evaluate_policy
+from flowcredit.run.outputs import final_artifacts
+from flowcredit.run.rollout import needed_states, rollout, seeded, state_values
+from flowcredit.run.runlog import RunLog, plot_curves
+from flowcredit.run.session import Session, build_session
 
 
 def grpo_iteration(s: Session, it: int) -> dict:
-    """One iteration: rollout, values, advantages, PPO update. Returns its metrics."""
-    cfg, model = s.cfg, s.model
-    metas, prompts, rows, x0 = local_batch(s, it)
+    """One iteration: rollout, values, advantages, PPO update. Returns its metrics; wall-clock
+    seconds per phase go under ``time/`` keys (the trainer writes them to ``timings.jsonl``)."""
+    cfg, model, clock = s.cfg, s.model, PhaseClock()
+    batch = s.draw(it)  # this rank's whole groups
+    group = batch.group  # (B,) index of each row's prompt
     with torch.no_grad():
-        cond = model.encode(prompts)
+        cond = model.encode(batch.prompts)
     sde_gen = seeded(cfg.seed + 7919 * s.dist.rank, it, 2)
-    ro = rollout(model, cond, rows, x0, s.sigmas, s.levels, s.step_fn, sde_gen, cfg.logp_mode, cfg.batch_size)
-    score = ScoreFn(s.reward, cfg.reward, prompts, metas, rows, cfg.skip_bad_rewards)
-    with s.policy.merged():  # values never enter logp_old: the faster merged weights are safe here
+    with clock("rollout"):
+        ro = rollout(model, cond, group, batch.x0, s.sigmas, s.levels, s.step_fn, sde_gen, *s.rollout_opts)
+    score = ScoreFn(s.reward, cfg.reward, batch.prompts, batch.metas, group, cfg.skip_bad_rewards)
+    with clock("values"), s.policy.merged():  # values never enter logp_old: merged weights are safe
         values, nfe_values = state_values(
-            model,
-            cond,
-            rows,
-            ro,
-            s.sigmas,
-            cfg.credit,
-            s.trained,
-            cfg.estimator,
-            cfg.substeps,
-            score,
-            cfg.batch_size,
+            model, cond, group, ro, s.sigmas, *s.value_opts, score, cfg.batch_size
         )
-    bad = torch.isnan(values[:, needed_states(cfg.credit, s.trained)]).any(dim=1)  # (B,)
-    bad_groups = torch.unique(rows[bad])
-    ok = ~torch.isin(rows, bad_groups)
-    adv = torch.zeros(len(rows), cfg.num_steps)
+    bad = torch.isnan(values[:, needed_states(s.credit.needs, s.trained)]).any(dim=1)  # (B,)
+    bad_groups = torch.unique(group[bad])
+    ok = ~torch.isin(group, bad_groups)
+    adv = torch.zeros(len(group), cfg.num_steps)  # (B, N)
     if ok.any():
-        adv[ok] = ADVANTAGES[cfg.credit](values[ok], rows[ok], s.trained, **s.adv_opts)
-    live_groups = torch.unique(rows[(adv != 0).any(dim=1)])
-    keep = torch.nonzero(torch.isin(rows, live_groups), as_tuple=True)[0]
-    stats = ppo_update(s, ro, adv, prompts, rows, keep, seeded(cfg.seed, it, 3))
+        adv[ok] = s.credit.fn(values[ok], group[ok], s.trained, **s.credit_kwargs)
+    live_groups = torch.unique(group[(adv != 0).any(dim=1)])
+    keep = torch.nonzero(torch.isin(group, live_groups), as_tuple=True)[0]
+    with clock("update"):
+        stats = ppo_update(s, ro, adv, batch.prompts, group, keep, seeded(cfg.seed, it, 3))
     final = values[ok, -1]
     total = s.dist.sum_(torch.tensor([final.sum().item(), float(len(final))], dtype=torch.float64))
-    per_row = len(rows) * s.dist.world * s.cfg_mult
+    passes = len(group) * s.dist.world * s.guidance_passes  # network rows per velocity call over all ranks
     return {
         "reward/mean": (total[0] / total[1]).item() if total[1] else math.nan,
         "reward/std": final.std(unbiased=False).item() if len(final) else math.nan,
@@ -112,21 +74,43 @@ def grpo_iteration(s: Session, it: int) -> dict:
             if len(s.reward.fns) > 1
         },
         "adv/abs_mean": adv[:, s.trained].abs().mean().item(),
-        "stats/zero_std_groups": len(torch.unique(rows)) - len(live_groups) - len(bad_groups),
+        "stats/zero_std_groups": len(torch.unique(group)) - len(live_groups) - len(bad_groups),
         "stats/bad_reward_groups": len(bad_groups),
-        "nfe/rollout": per_row * cfg.num_steps,
-        "nfe/values": nfe_values * s.dist.world * s.cfg_mult,
+        "nfe/rollout": passes * cfg.num_steps,
+        "nfe/values": nfe_values * s.dist.world * s.guidance_passes,
         "nfe/train": len(keep)
         * s.dist.world
         * int(s.trained.sum())
         * cfg.inner_epochs
-        * s.cfg_mult
+        * s.guidance_passes
         * (2 if cfg.beta else 1),
         **stats,
+        **clock.seconds(reward=score.seconds),
     }
 
 
-def ppo_update(s: Session, ro, adv, prompts, rows, keep, gen) -> dict:
+class PhaseClock:
+    """Wall-clock seconds per named phase of an iteration: ``with clock("rollout"): …``."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = {}
+        self._name, self._t0 = "", 0.0
+
+    def __call__(self, name: str):
+        self._name = name
+        return self
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.totals[self._name] = self.totals.get(self._name, 0.0) + time.perf_counter() - self._t0
+
+    def seconds(self, **extra: float) -> dict:
+        return {f"time/{k}_s": v for k, v in {**self.totals, **extra}.items()}
+
+
+def ppo_update(s: Session, ro, adv, prompts, group, keep, gen) -> dict:
     """PPO over the trained steps: one micro-batch per (step, row chunk), accumulated per update."""
     cfg, model = s.cfg, s.model
     steps = torch.nonzero(s.trained, as_tuple=True)[0]
@@ -150,7 +134,7 @@ def ppo_update(s: Session, ro, adv, prompts, rows, keep, gen) -> dict:
                 cond = model.encode(prompts) if len(keep) else None  # under grad: the text encoder may train
                 for lo in range(0, len(keep), cfg.batch_size):
                     r = keep[lo : lo + cfg.batch_size]
-                    out = step_loss(s, ro, adv, prompts, cond, rows, r, i, len(r) / n_rows / len(window))
+                    out = step_loss(s, ro, adv, prompts, cond, group, r, i, len(r) / n_rows / len(window))
                     if first_dev is None:  # before any optimizer step: exactly 1 (same model, same geometry)
                         first_dev = out["stats/ratio_maxdev"]
                     for key, value in out.items():
@@ -174,19 +158,19 @@ def ppo_update(s: Session, ro, adv, prompts, rows, keep, gen) -> dict:
     return out
 
 
-def step_loss(s: Session, ro, adv, prompts, cond, rows, r, i: int, weight: float) -> dict:
+def step_loss(s: Session, ro, adv, prompts, cond, group, r, i: int, weight: float) -> dict:
     """Backward of ``weight·(L_pg + β·KL)`` for rows ``r`` at step ``i``; returns the statistics."""
     cfg, model = s.cfg, s.model
     x, x_next = ro.states[r, i], ro.states[r, i + 1]
     sigma, sigma_next, level = s.sigmas[i].item(), s.sigmas[i + 1].item(), float(s.levels[i])
-    v = model.velocity(x, s.sigmas[i].expand(len(r)), cond[rows[r]])
+    v = model.velocity(x, s.sigmas[i].expand(len(r)), cond[group[r]])
     step = s.step_fn(v, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode)
     logp_old = ro.logp[r, i]
     policy_loss = clipped_surrogate(step.logp, logp_old, adv[r, i], cfg.clip_range)
     kl = torch.zeros(())
     if cfg.beta > 0:
         with torch.no_grad(), s.policy.reference():
-            v_ref = model.velocity(x, s.sigmas[i].expand(len(r)), model.encode(prompts)[rows[r]])
+            v_ref = model.velocity(x, s.sigmas[i].expand(len(r)), model.encode(prompts)[group[r]])
             mean_ref = s.step_fn(
                 v_ref, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode
             ).mean
@@ -202,9 +186,15 @@ def step_loss(s: Session, ro, adv, prompts, cond, rows, r, i: int, weight: float
     }
 
 
-def train(cfg: Config, resume: bool = False) -> dict:
-    """Run (or resume) training in ``cfg.run_dir``; returns the end-of-run summary (rank 0)."""
-    s = Session.open(cfg, resume)
+def train(
+    cfg: Config, resume: bool = False, *, model: FlowModel | None = None, reward: Reward | None = None
+) -> dict:
+    """Run (or resume) training in ``cfg.run_dir``; returns the end-of-run summary (rank 0).
+
+    ``model`` and ``reward`` replace the ones ``cfg`` names (benchmarks and tests inject them).
+    """
+    s = build_session(cfg, resume, model=model, reward=reward)
+    ensure_psi(s)  # DenseGRPO: calibrate ψ with the initial policy before the first iteration
     main = s.dist.is_main  # rank 0 alone evaluates and writes the run directory
     interrupted = {"flag": False}
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
@@ -233,7 +223,8 @@ def train(cfg: Config, resume: bool = False) -> dict:
             if main:
                 if (cfg.eval_every and done % cfg.eval_every == 0) or last:
                     metrics.update(evaluate_policy(s, "after" if last else None))
-                log.log(done, metrics, {"time/iteration_s": time.time() - t0})
+                timings = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("time/")]}
+                log.log(done, metrics, {"time/iteration_s": time.time() - t0, **timings})
                 bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}"})
                 if done % cfg.save_every == 0 or last:
                     s.save(done)
@@ -248,29 +239,3 @@ def train(cfg: Config, resume: bool = False) -> dict:
         return {}
     plot_curves(s.run_dir)
     return final_artifacts(s, time.time() - t_start)
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="flowcredit train",
-        description="GRPO with step-level credit assignment. "
-        "Any config field can be given as --field value (see flowcredit/config.py).",
-    )
-    p.add_argument(
-        "--preset", default="flow_grpo", help="demo | flow_grpo | dense_grpo | stepwise_grpo | tp_grpo"
-    )
-    p.add_argument("--config", default=None, help="YAML file of config fields")
-    p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args, rest = _parser().parse_known_args(argv)
-    if args.resume:
-        saved = json.loads((Path(args.resume) / "config.json").read_text())
-        cfg = apply_overrides(from_dict(saved, Config()), rest)
-        cfg.run_dir = args.resume
-        train(cfg, resume=True)
-    else:
-        train(load_config(args.preset, args.config, rest))
-    return 0

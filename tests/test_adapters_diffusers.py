@@ -2,7 +2,7 @@
 
 Checks: shapes and dtypes; sampling with our Euler step and the adapter's schedule reproduces the
 diffusers pipeline (latents and images); CFG; the schedule equals ``set_timesteps``; FLUX packing;
-LoRA through ``flowcredit.policy.Policy`` (only LoRA trains, the reference pass is the base model);
+LoRA through ``flowcredit.run.policy.Policy`` (only LoRA trains, the reference pass is the base model);
 the exported LoRA reloads in plain diffusers; one training iteration of every preset per adapter.
 """
 
@@ -21,11 +21,12 @@ pytest.importorskip("peft")
 
 from tiny_diffusers import SIZE, build_flux, build_sd3, train_config  # noqa: E402
 
+from flowcredit.config import COMPARED_PRESETS  # noqa: E402
 from flowcredit.models.diffusers_common import LORA_WEIGHTS, PromptCond  # noqa: E402
 from flowcredit.models.flux import FluxFlowModel, image_ids, pack, unpack  # noqa: E402
 from flowcredit.models.protocol import FlowModel  # noqa: E402
 from flowcredit.models.sd3 import SD3FlowModel  # noqa: E402
-from flowcredit.policy import Policy  # noqa: E402
+from flowcredit.run.policy import Policy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(2)
@@ -57,7 +58,7 @@ def inputs(model, b=3, seed=0):
 
 
 def ode(model, x, sigmas, cond):
-    """Our Euler ODE sampler (SPEC §3 ``ode``): ``x ← x + (σ' − σ)·v``."""
+    """Our Euler ODE sampler (docs/algorithms.md §1.1 ``ode``): ``x ← x + (σ' − σ)·v``."""
     with torch.no_grad():
         for i in range(len(sigmas) - 1):
             x = x + (sigmas[i + 1] - sigmas[i]) * model.velocity(x, sigmas[i].expand(x.shape[0]), cond)
@@ -124,9 +125,9 @@ def test_sd3_cfg_combination(dirs):
     model.guidance_scale = 1.0  # single conditional pass
     v_cond = model.velocity(x, sigma, cond)
     v_null = model.velocity(x, sigma, cond.null.expand(3))
-    assert model.nfe_per_call == 1
+    assert model.guidance_passes == 1
     model.guidance_scale = 4.5
-    assert model.nfe_per_call == 2
+    assert model.guidance_passes == 2
     assert torch.allclose(v, v_null + 4.5 * (v_cond - v_null), atol=ATOL)
     assert not torch.allclose(v_cond, v_null, atol=1e-4)
 
@@ -135,7 +136,7 @@ def test_flux_guidance_is_an_input_not_cfg(dirs):
     model = load(dirs, "flux")
     x, sigma = inputs(model)
     cond = model.encode(PROMPTS)
-    assert cond.null is None and model.nfe_per_call == 1
+    assert cond.null is None and model.guidance_passes == 1
     v = model.velocity(x, sigma, cond)
     model.guidance_scale = 1.0
     assert not torch.allclose(model.velocity(x, sigma, cond), v, atol=1e-5)
@@ -265,7 +266,7 @@ def test_prompt_cond_selection():
 # --- the trainer end to end (needs the trainer to accept model='sd3' / 'flux') ---
 
 
-@pytest.mark.parametrize("preset", ["flow_grpo", "dense_grpo", "stepwise_grpo", "tp_grpo"])
+@pytest.mark.parametrize("preset", COMPARED_PRESETS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_every_method(dirs, kind, preset, tmp_path):
     from safetensors.torch import load_file
@@ -295,10 +296,10 @@ def test_train_every_method(dirs, kind, preset, tmp_path):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_trainer_uses_the_adapter_schedule(dirs, kind, tmp_path):
-    from flowcredit.session import Session
+    from flowcredit.run.session import build_session
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     cfg = train_config("flow_grpo", kind, dirs[kind], prompts, tmp_path / "run")
-    s = Session.open(cfg, resume=False)
+    s = build_session(cfg, resume=False)
     assert torch.equal(s.sigmas, s.model.sigmas(cfg.num_steps))

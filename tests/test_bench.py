@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from flowcredit import bench, bench_report
+from flowcredit.commands import bench, bench_report
 
 
 def test_quick_bench_writes_results_and_is_resumable(tmp_path, monkeypatch):

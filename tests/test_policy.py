@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from flowcredit.models.tiny import load_builtin
-from flowcredit.policy import EMA, Policy, lora_target_names
+from flowcredit.run.policy import EMA, Policy, lora_target_names
 
 PROMPTS = ["a red circle", "three blue squares"]
 

@@ -7,9 +7,11 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from flowcredit import evaluate as ev
-from flowcredit import pretrain
+from flowcredit import cli
+from flowcredit.commands import eval as eval_cmd
+from flowcredit.commands import pretrain
 from flowcredit.models import TinyFlowModel, load_builtin
+from flowcredit.run import evaluation as ev
 from flowcredit.tasks.shapes import load_prompts
 
 torch.set_num_threads(2)
@@ -58,7 +60,7 @@ def test_eval_cli_on_two_prompts(tmp_path, capsys):
     prompts = tmp_path / "two.jsonl"
     prompts.write_text("".join(json.dumps(m) + "\n" for m in load_prompts("test")[:2]))
     argv = ["--prompts", str(prompts), "--seeds", "0,1", "--samples-per-prompt", "2", "--steps", "2"]
-    assert ev.main_eval([*argv, "--out", str(tmp_path / "out")]) == 0
+    assert eval_cmd.main_eval([*argv, "--out", str(tmp_path / "out")]) == 0
     result = json.loads((tmp_path / "out" / "eval.json").read_text())
     assert set(result["tables"]) == {"0", "1"} and "overall" in result["across_seeds"]
     assert (tmp_path / "out" / "grid.png").stat().st_size > 0
@@ -67,7 +69,11 @@ def test_eval_cli_on_two_prompts(tmp_path, capsys):
 
 def test_sample_cli(tmp_path, capsys):
     out = tmp_path / "s.png"
-    assert ev.main_sample(["--prompt", "two red circles", "--n", "2", "--steps", "2", "--out", str(out)]) == 0
+    assert (
+        eval_cmd.main_sample(["--prompt", "two red circles", "--n", "2", "--steps", "2", "--out", str(out)])
+        == 0
+    )
     assert out.stat().st_size > 0
-    assert ev.main_sample(["--prompt", "two purple circles", "--n", "1", "--out", str(out)]) == 2
-    assert "'purple'" in capsys.readouterr().err
+    assert cli.main(["sample", "--prompt", "two purple circles", "--n", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "'purple'" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

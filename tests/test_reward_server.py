@@ -1,4 +1,4 @@
-"""Reward server and ``remote`` client on loopback: reward_server.py, rewards/remote.py."""
+"""Reward server and ``remote`` client on loopback: rewards/server.py, rewards/remote.py."""
 
 import base64
 import http.client
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from flowcredit.reward_server import RewardServer, main
 from flowcredit.rewards import get_reward
 from flowcredit.rewards.remote import RemoteRewardError, encode_png
+from flowcredit.rewards.server import RewardServer, main
 
 TOKEN = "s3cret-token"
 

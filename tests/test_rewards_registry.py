@@ -124,7 +124,7 @@ def test_wrong_length_is_an_error(monkeypatch):
 
 def test_heavy_modules_are_imported_lazily():
     code = (
-        "import sys, flowcredit.rewards as r, flowcredit.reward_server;"
+        "import sys, flowcredit.rewards as r, flowcredit.rewards.server;"
         "heavy = [m for m in ('transformers', 'rapidocr', 'onnxruntime', 'flowcredit.rewards.clip',"
         " 'flowcredit.rewards.ocr') if m in sys.modules]; print(heavy); assert not heavy"
     )

@@ -5,8 +5,11 @@ import json
 import pytest
 import torch
 
-from flowcredit.config import PRESETS, Config, from_dict, load_config, validate
-from flowcredit.session import Session
+from flowcredit.config import COMPARED_PRESETS, PRESETS, Config, from_dict, load_config, validate
+from flowcredit.errors import UserError
+from flowcredit.rewards.guard import RewardError
+from flowcredit.run.calibrate import ensure_psi
+from flowcredit.run.session import build_session
 from flowcredit.train import grpo_iteration, train
 
 SMALL = dict(
@@ -43,11 +46,12 @@ def small_config(preset: str, run_dir, **extra) -> Config:
     return validate(cfg)
 
 
-@pytest.mark.parametrize("preset", ["flow_grpo", "dense_grpo", "stepwise_grpo", "tp_grpo"])
+@pytest.mark.parametrize("preset", COMPARED_PRESETS)
 def test_preset_trains_through_the_one_loop(preset, tmp_path):
     extra = {"calib_max_iters": 1, "calib_groups": 1} if preset == "dense_grpo" else {}
     cfg = small_config(preset, tmp_path / "run", beta=0.01, **extra)
-    s = Session.open(cfg, resume=False)
+    s = build_session(cfg, resume=False)
+    ensure_psi(s)  # train() calibrates ψ here (dense_grpo)
     before = {k: v.clone() for k, v in s.policy.trainable_state().items()}
     metrics = [grpo_iteration(s, it) for it in range(2)]
     after = s.policy.trainable_state()
@@ -84,7 +88,7 @@ def test_train_writes_artifacts_and_refuses_to_overwrite(tmp_path):
     assert summary["iterations"] == 2 and "before" in summary["test"]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["iteration"] for x in lines] == [0, 1, 2]
-    with pytest.raises(FileExistsError, match="resume"):
+    with pytest.raises(UserError, match="resume"):
         train(cfg)
 
 
@@ -94,7 +98,7 @@ def test_final_model_reloads_as_the_policy(tmp_path):
     cfg = small_config("flow_grpo", tmp_path / "run", iterations=1, lr=0.05)
     train(cfg)
     s_final = TinyFlowModel.load(tmp_path / "run" / "final")
-    s = Session.open(validate(from_dict({**vars(cfg), "run_dir": str(tmp_path / "r2")})), resume=False)
+    s = build_session(validate(from_dict({**vars(cfg), "run_dir": str(tmp_path / "r2")})), resume=False)
     s.policy.load_trainable_state(
         __import__("safetensors.torch", fromlist=["load_file"]).load_file(
             str(tmp_path / "run" / "final" / "trainable.safetensors")
@@ -116,7 +120,7 @@ def test_nan_reward_names_reward_and_prompt(tmp_path):
         train_prompts="test",
         num_train_prompts=0,
     )
-    s = Session.open(cfg, resume=False)
+    s = build_session(cfg, resume=False)
     s.train_metas = [m for m in s.train_metas if "red" in m["prompt"]][:2]
     with pytest.raises(
         ValueError, match=r"reward 'reward_fixtures:nan_for_red' returned nan for prompt '.*red"
@@ -128,7 +132,7 @@ def test_skip_bad_rewards_drops_and_counts_groups(tmp_path):
     cfg = small_config(
         "flow_grpo", tmp_path / "run", reward="reward_fixtures:nan_for_red", skip_bad_rewards=True
     )
-    s = Session.open(cfg, resume=False)
+    s = build_session(cfg, resume=False)
     red = [m for m in s.train_metas if "red" in m["prompt"]][:1]
     other = [m for m in s.train_metas if "red" not in m["prompt"]][:1]
     s.train_metas = red + other
@@ -138,8 +142,8 @@ def test_skip_bad_rewards_drops_and_counts_groups(tmp_path):
 
 def test_raising_reward_is_named(tmp_path):
     cfg = small_config("flow_grpo", tmp_path / "run", reward="reward_fixtures:raises")
-    s = Session.open(cfg, resume=False)
-    with pytest.raises(RuntimeError, match="reward 'reward_fixtures:raises' failed on prompts like"):
+    s = build_session(cfg, resume=False)
+    with pytest.raises(RewardError, match="reward 'reward_fixtures:raises' failed on prompts like"):
         grpo_iteration(s, 0)
 
 

@@ -1,6 +1,11 @@
-"""Model adapters: the ``FlowModel`` protocol and the built-in tiny model."""
+"""Model adapters: the :class:`FlowModel` contract, the registry, the built-in tiny model.
 
-from flowcredit.models.protocol import Cond, FlowModel
+The diffusers adapters (``flowcredit.models.sd3``, ``flowcredit.models.flux``) are imported only when
+chosen (``load_model``), so ``import flowcredit.models`` needs no diffusers.
+"""
+
+from flowcredit.models.protocol import Cond, FlowModel, FlowModelBase, check_adapter
+from flowcredit.models.registry import MODELS, load_model
 from flowcredit.models.tiny import (
     TextCond,
     TinyConfig,
@@ -12,13 +17,17 @@ from flowcredit.models.tiny import (
 from flowcredit.models.tokenizer import Tokenizer
 
 __all__ = [
+    "MODELS",
     "Cond",
     "FlowModel",
+    "FlowModelBase",
     "TextCond",
     "TinyConfig",
     "TinyFlowModel",
     "Tokenizer",
     "builtin_path",
+    "check_adapter",
     "load_builtin",
     "load_checkpoint",
+    "load_model",
 ]

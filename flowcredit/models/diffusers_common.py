@@ -3,7 +3,7 @@ prompt-encoding container, the base adapter (encode cache, VAE decode, schedule,
 
 Numerics: the transformer and text encoders run in the configured dtype (bf16 on GPUs); the VAE is
 kept in float32 (as Flow-GRPO does: cheap, and fp16/bf16 VAE decodes lose detail); everything the
-samplers see — latents, velocities, images — is float32 (SPEC §2).
+samplers see — latents, velocities, images — is float32 (docs/algorithms.md §0).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from flowcredit.models.protocol import FlowModelBase
 from flowcredit.schedule import resolution_shift_mu
 
 DTYPES = {
@@ -126,7 +127,7 @@ def scheduler_sigmas(scheduler, num_steps: int, sigmas=None, image_seq_len: int 
     return out
 
 
-class DiffusersFlowModel:
+class DiffusersFlowModel(FlowModelBase):
     """Base of the diffusers adapters; a subclass sets ``pipeline_name`` and implements ``_encode``
     (prompts → ``PromptCond`` rows) and ``velocity``.
 
@@ -137,7 +138,7 @@ class DiffusersFlowModel:
     """
 
     pipeline_name = ""  # the diffusers pipeline class, e.g. "StableDiffusion3Pipeline"
-    default_lora_targets = "to_q,to_k,to_v,to_out.0"  # attention projections (SPEC §7)
+    default_lora_targets = "to_q,to_k,to_v,to_out.0"  # attention projections (the papers' LoRA targets)
     decode_chunk = 8
 
     def __init__(self, pipe, height: int, width: int, latent_shape: tuple[int, int, int]):
@@ -234,7 +235,11 @@ def save_lora(pipeline_class, net: torch.nn.Module, directory: Path, adapter: st
     return directory / LORA_WEIGHTS
 
 
-def cfg_value(cfg, name: str, default):
-    """``cfg.name`` if the field exists and is set (non-zero / non-empty), else ``default``."""
-    value = getattr(cfg, name, None)
-    return value if value not in (None, 0, 0.0, "") else default
+def pretrained_options(cfg) -> dict:
+    """The Config fields every diffusers loader reads: ``dtype`` as given; ``resolution`` and
+    ``guidance_scale`` 0 are the config's documented "model default" (None here)."""
+    return {
+        "dtype": cfg.dtype,
+        "resolution": cfg.resolution if cfg.resolution > 0 else None,
+        "guidance_scale": cfg.guidance_scale if cfg.guidance_scale > 0 else None,
+    }

@@ -21,8 +21,8 @@ import torch
 from flowcredit.models.diffusers_common import (
     DiffusersFlowModel,
     PromptCond,
-    cfg_value,
     image_size,
+    pretrained_options,
     scheduler_sigmas,
 )
 
@@ -104,12 +104,13 @@ class FluxFlowModel(DiffusersFlowModel):
         )[0]
         return unpack(out, h, w).float().to(x.device)
 
-    nfe_per_call = 1
+    guidance_passes = 1
     """Transformer rows per velocity row (distilled guidance: one pass)."""
 
-    def sigmas(self, num_steps: int) -> torch.Tensor:
-        """``(N + 1,)`` float32, as ``FluxPipeline`` computes it: ``set_timesteps(sigmas=linspace(1, 1/N, N),
-        mu=μ(h·w/4 tokens))`` (``use_flow_sigmas`` schedulers get no custom sigmas)."""
+    def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
+        """``(N + 1,)`` float32, as ``FluxPipeline`` computes it: ``set_timesteps(sigmas=linspace(1, 1/N,
+        N), mu=μ(h·w/4 tokens))`` (``use_flow_sigmas`` schedulers get no custom sigmas). ``shift`` is not
+        used: the scheduler's own shift applies."""
         custom = np.linspace(1.0, 1.0 / num_steps, num_steps)
         if self.scheduler.config.get("use_flow_sigmas", False):
             custom = None
@@ -120,9 +121,4 @@ class FluxFlowModel(DiffusersFlowModel):
 def load_for_training(cfg) -> FluxFlowModel:
     """Trainer entry point: ``cfg.checkpoint`` (hub id or directory) in ``cfg.dtype`` at ``cfg.resolution``;
     ``cfg.guidance_scale`` 0 keeps 3.5."""
-    return FluxFlowModel.from_pretrained(
-        cfg.checkpoint,
-        dtype=cfg_value(cfg, "dtype", "auto"),
-        resolution=cfg_value(cfg, "resolution", None),
-        guidance_scale=cfg_value(cfg, "guidance_scale", None),
-    )
+    return FluxFlowModel.from_pretrained(cfg.checkpoint, **pretrained_options(cfg))

@@ -1,24 +1,33 @@
-"""The model adapter protocol (SPEC §8): what the sampler, the trainer and the evaluator need.
+"""The model adapter contract: every member the sampler, the trainer and the evaluator use.
 
-Every model, the built-in tiny one and the diffusers adapters alike, exposes the same five things.
-Conventions (SPEC §2): rectified flow ``x_σ = (1 − σ)·x0 + σ·ε``, σ = 1 is noise, the model returns
-the velocity ``v ≈ ε − x0``; latents and velocities are float32 whatever the network's dtype.
+Every model, the built-in tiny one and the diffusers adapters alike, implements :class:`FlowModel`.
+Conventions (docs/algorithms.md §0): rectified flow ``x_σ = (1 − σ)·x0 + σ·ε``, σ = 1 is
+noise, the model returns the velocity ``v ≈ ε − x0``; latents and velocities are float32 whatever the
+network's dtype. An adapter subclasses :class:`FlowModelBase`, which defaults the optional members,
+and implements the required ones; ``flowcredit.models.load_model`` checks every member at load time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from flowcredit.schedule import sigmas as default_sigmas
+
 Cond = Any
-"""Whatever ``encode`` returns; opaque to the sampler, passed back to ``velocity`` unchanged."""
+"""Whatever ``encode`` returns; opaque to the sampler, indexed by rows (``cond[rows]``) and passed
+back to ``velocity`` unchanged."""
 
 
 @runtime_checkable
 class FlowModel(Protocol):
-    """A text-conditioned flow-matching model.
+    """A text-conditioned flow-matching model, as the loop sees it.
+
+    Required (no default): ``latent_shape``, ``guidance_scale``, ``net``, ``encode``, ``velocity``,
+    ``decode``. Optional (defaulted by :class:`FlowModelBase`): ``num_steps``, ``shift``, ``sigmas``,
+    ``guidance_passes``, ``default_lora_targets``, ``save_final``.
 
     Attributes:
         latent_shape: ``(C, H, W)`` of one latent.
@@ -26,11 +35,19 @@ class FlowModel(Protocol):
             single conditional pass.
         net: the ``torch.nn.Module`` holding ALL weights (text encoder included), so a trainer can
             wrap LoRA around sub-modules or pick trainable parameters by module name.
+        num_steps: the model's default number of sampling steps (``flowcredit eval`` / ``sample``).
+        shift: the default schedule shift used by :meth:`sigmas` when the adapter has no schedule of
+            its own.
+        default_lora_targets: what ``lora_targets='default'`` wraps (a comma list of module-name
+            suffixes, or ``'unet'`` for the tiny model); None: the adapter has no default.
     """
 
     latent_shape: tuple[int, ...]
     guidance_scale: float
     net: torch.nn.Module
+    num_steps: int
+    shift: float
+    default_lora_targets: str | None
 
     def encode(self, prompts: list[str]) -> Cond:
         """Encode ``B`` prompts (and the null prompt for CFG) under the current grad mode."""
@@ -52,6 +69,53 @@ class FlowModel(Protocol):
         """Latents ``(B, C, H, W)`` to images ``(B, 3, H', W')`` float32 in [0, 1]."""
         ...
 
-    def trainable_parameters(self) -> Iterable[torch.nn.Parameter]:
-        """The parameters with ``requires_grad`` set (what an optimiser should see)."""
+    def sigmas(self, num_steps: int, shift: float) -> torch.Tensor:
+        """The ``(N + 1,)`` float32 schedule ``1 … 0`` the model samples with."""
         ...
+
+    @property
+    def guidance_passes(self) -> int:
+        """Network passes per sample per ``velocity`` call (2 with CFG; 1 without, or with a
+        distilled guidance embedding). Used to count NFE."""
+        ...
+
+    def save_final(self, policy: Any, directory: Path) -> None:
+        """Export the trained model into ``directory`` in the model's own format (beside the
+        ``trainable.safetensors`` the trainer always writes)."""
+        ...
+
+
+class FlowModelBase:
+    """Defaults for the optional members of :class:`FlowModel`; adapters subclass it."""
+
+    num_steps: int = 10
+    shift: float = 1.0
+    default_lora_targets: str | None = None
+
+    def sigmas(self, num_steps: int, shift: float) -> torch.Tensor:
+        """``flowcredit.schedule.sigmas(num_steps, shift)``; adapters with a scheduler override it."""
+        return default_sigmas(num_steps, shift)
+
+    @property
+    def guidance_passes(self) -> int:
+        """1 if ``guidance_scale == 1`` (no CFG), else 2 (conditional and unconditional rows)."""
+        return 1 if self.guidance_scale == 1.0 else 2
+
+    def save_final(self, policy: Any, directory: Path) -> None:
+        """No model-specific export: the trainable tensors alone are the result."""
+
+
+REQUIRED = ("latent_shape", "guidance_scale", "net", "encode", "velocity", "decode")
+OPTIONAL = ("num_steps", "shift", "default_lora_targets", "sigmas", "guidance_passes", "save_final")
+
+
+def check_adapter(model: object, name: str) -> None:
+    """Raise ``TypeError`` naming every member of :class:`FlowModel` that ``model`` lacks."""
+    missing = [m for m in (*REQUIRED, *OPTIONAL) if not hasattr(model, m)]
+    if missing:
+        hint = (
+            " (subclass flowcredit.models.FlowModelBase for the optional ones)"
+            if set(missing) & set(OPTIONAL)
+            else ""
+        )
+        raise TypeError(f"model adapter {name!r} lacks {', '.join(missing)}{hint}")

@@ -18,8 +18,8 @@ import torch
 from flowcredit.models.diffusers_common import (
     DiffusersFlowModel,
     PromptCond,
-    cfg_value,
     image_size,
+    pretrained_options,
     scheduler_sigmas,
 )
 
@@ -100,14 +100,10 @@ class SD3FlowModel(DiffusersFlowModel):
         ).chunk(2)
         return v_null + w * (v_cond - v_null)
 
-    @property
-    def nfe_per_call(self) -> int:
-        """Transformer rows per velocity row (2 with CFG)."""
-        return 1 if self.guidance_scale == 1.0 else 2
-
-    def sigmas(self, num_steps: int) -> torch.Tensor:
+    def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
         """``(N + 1,)`` float32: ``FlowMatchEulerDiscreteScheduler.set_timesteps(N)`` as the SD3 pipeline
-        calls it (the checkpoint's shift; resolution-dependent μ if the scheduler shifts dynamically)."""
+        calls it (the checkpoint's shift; resolution-dependent μ if the scheduler shifts dynamically).
+        ``shift`` is not used: the scheduler's own shift applies."""
         p = self.net.config.patch_size
         seq_len = (self.latent_shape[1] // p) * (self.latent_shape[2] // p)
         return scheduler_sigmas(self.scheduler, num_steps, image_seq_len=seq_len)
@@ -116,9 +112,4 @@ class SD3FlowModel(DiffusersFlowModel):
 def load_for_training(cfg) -> SD3FlowModel:
     """Trainer entry point: ``cfg.checkpoint`` (hub id or directory) in ``cfg.dtype`` at ``cfg.resolution``;
     ``cfg.guidance_scale`` 0 keeps 4.5."""
-    return SD3FlowModel.from_pretrained(
-        cfg.checkpoint,
-        dtype=cfg_value(cfg, "dtype", "auto"),
-        resolution=cfg_value(cfg, "resolution", None),
-        guidance_scale=cfg_value(cfg, "guidance_scale", None),
-    )
+    return SD3FlowModel.from_pretrained(cfg.checkpoint, **pretrained_options(cfg))

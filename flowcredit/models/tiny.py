@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from flowcredit.models.protocol import FlowModelBase
 from flowcredit.models.tiny_net import TinyNet
 from flowcredit.models.tokenizer import Tokenizer
 
@@ -51,7 +52,7 @@ class TinyConfig:
     num_steps: int = 10
     """Default number of ODE sampling steps."""
     shift: float = 1.0
-    """Default schedule shift (SPEC §2)."""
+    """Default schedule shift (docs/algorithms.md §0)."""
     autocast: bool = False
     """Run the network under bf16 autocast (faster only on CPUs with AMX/AVX512-bf16, and on GPUs)."""
 
@@ -116,7 +117,7 @@ class TextCond:
         )
 
 
-class TinyFlowModel:
+class TinyFlowModel(FlowModelBase):
     """``FlowModel`` adapter for ``TinyNet`` (see ``flowcredit.models.protocol``).
 
     Args:
@@ -209,6 +210,14 @@ class TinyFlowModel:
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.net.parameters() if p.requires_grad]
+
+    def save_final(self, policy, directory: Path) -> None:
+        """The trained model as a checkpoint directory (LoRA merged into the weights), loadable with
+        ``flowcredit eval --checkpoint DIR``."""
+        merged = type(self)(self.config)
+        merged.net.load_state_dict(policy.merged_state_dict())
+        merged.guidance_scale = self.guidance_scale
+        merged.save(directory)
 
     def save(self, directory: str | Path) -> None:
         """Write ``model.safetensors`` and ``config.json`` atomically (temp file + ``os.replace``)."""

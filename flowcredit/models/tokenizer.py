@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from flowcredit.errors import UserError
+
 PAD, NULL = "<pad>", "<null>"
 _SPLIT = re.compile(r"[^\s,.;:!?]+")
 
@@ -53,13 +55,13 @@ class Tokenizer:
         out = []
         for w in words:
             if w not in self.index:
-                raise ValueError(
+                raise UserError(
                     f"unknown word {w!r} in prompt {prompt!r}; the tiny model knows only: "
                     + ", ".join(self.vocab)
                 )
             out.append(self.index[w])
         if len(out) > self.max_len:
-            raise ValueError(f"prompt {prompt!r} has {len(out)} words; the maximum is {self.max_len}")
+            raise UserError(f"prompt {prompt!r} has {len(out)} words; the maximum is {self.max_len}")
         return out
 
     def __call__(self, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:

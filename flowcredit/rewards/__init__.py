@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flowcredit.errors import UserError
+
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
 RewardFactory = Callable[..., RewardFn]
 
@@ -104,9 +106,9 @@ def _resolve_dotted(name: str) -> Callable:
     try:
         fn = _import(name)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"reward {name!r}: cannot import {attr!r} from {module!r} ({exc})") from exc
+        raise UserError(f"reward {name!r}: cannot import {attr!r} from {module!r} ({exc})") from exc
     if not callable(fn):
-        raise ValueError(f"reward {name!r} is not callable")
+        raise UserError(f"reward {name!r} is not callable")
     return fn
 
 
@@ -119,10 +121,10 @@ def _check_options(name: str, factory: Callable, options: dict) -> None:
     accepted = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
     for option in options:
         if option not in accepted:
-            raise ValueError(f"reward {name!r} has no option {option!r}; its options: {accepted or 'none'}")
+            raise UserError(f"reward {name!r} has no option {option!r}; its options: {accepted or 'none'}")
     for n in accepted:
         if params[n].default is inspect.Parameter.empty and n not in options:
-            raise ValueError(
+            raise UserError(
                 f'reward {name!r} needs option {n!r}: reward_options=\'{{"{name}": {{"{n}": ...}}}}\''
             )
 
@@ -138,7 +140,7 @@ def build_reward(name: str, options: dict | None = None) -> RewardFn:
             return fn
         factory = fn
     else:
-        raise ValueError(f"unknown reward {name!r}; registered: {sorted(REWARDS)} (or 'pkg.mod:fn')")
+        raise UserError(f"unknown reward {name!r}; registered: {sorted(REWARDS)} (or 'pkg.mod:fn')")
     _check_options(name, factory, options)
     return factory(**options)
 
@@ -153,7 +155,7 @@ def parse_mix(spec: str | dict[str, float]) -> dict[str, float]:
         try:
             mix[name] = float(weight) if weight else 1.0
         except ValueError:
-            raise ValueError(f"reward mix {spec!r}: weight of {name!r} is not a number") from None
+            raise UserError(f"reward mix {spec!r}: weight of {name!r} is not a number") from None
     return mix
 
 
@@ -170,9 +172,9 @@ class Reward:
         options = dict(options or {})
         for name, opts in options.items():
             if name not in self.weights:
-                raise ValueError(f"reward_options names {name!r}, which is not in the reward spec {spec!r}")
+                raise UserError(f"reward_options names {name!r}, which is not in the reward spec {spec!r}")
             if not isinstance(opts, dict):
-                raise ValueError(f"reward_options[{name!r}] must be an object of options, got {opts!r}")
+                raise UserError(f"reward_options[{name!r}] must be an object of options, got {opts!r}")
         self.fns = {name: build_reward(name, options.get(name)) for name in self.weights}
         self.last_components: dict[str, torch.Tensor] = {}
 
@@ -187,7 +189,7 @@ class Reward:
         for name, fn in self.fns.items():
             value = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).reshape(-1).cpu()
             if value.shape[0] != images.shape[0]:
-                raise ValueError(
+                raise UserError(
                     f"reward {name!r} returned {value.shape[0]} values for {images.shape[0]} images"
                 )
             components[name] = value

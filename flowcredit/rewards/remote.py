@@ -1,4 +1,4 @@
-"""``remote`` reward: a client of ``flowcredit serve-reward`` (flowcredit/reward_server.py).
+"""``remote`` reward: a client of ``flowcredit serve-reward`` (flowcredit/rewards/server.py).
 
 Images travel as base64 PNG (8-bit, so a remote reward sees ``round(255·x)/255``, exactly what the
 server decodes), prompts and metadata as JSON; nothing is ever pickled. Connection errors, timeouts

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from flowcredit.errors import ConfigError, UserError
+
 
 def lora_target_names(net: nn.Module, targets: str) -> list[str]:
     """Module names for LoRA: ``"unet"`` = every Linear/Conv2d under ``unet.``, else a comma list of
@@ -25,7 +27,7 @@ def lora_target_names(net: nn.Module, targets: str) -> list[str]:
         wanted = [t.strip() for t in targets.split(",") if t.strip()]
         names = [n for n in layers if any(n == t or n.endswith("." + t) for t in wanted)]
     if not names:
-        raise ValueError(f"config field 'lora_targets': {targets!r} matches no Linear/Conv2d module")
+        raise ConfigError("lora_targets", f"{targets!r} matches no Linear/Conv2d module")
     return names
 
 
@@ -53,9 +55,10 @@ class Policy:
             self._add_lora(net, lora_rank, lora_alpha, lora_targets, seed)
         if train_params in ("text", "lora+text"):
             if not hasattr(net, "text"):
-                raise ValueError(
-                    f"config field 'train_params': {train_params!r} needs a model with a trainable "
-                    "text encoder module 'net.text' (the built-in tiny model)"
+                raise ConfigError(
+                    "train_params",
+                    f"{train_params!r} needs a model with a trainable text encoder module 'net.text' "
+                    "(the built-in tiny model)",
                 )
             net.text.requires_grad_(True)
         if train_params == "all":
@@ -65,7 +68,11 @@ class Policy:
         from peft import LoraConfig, inject_adapter_in_model
 
         if targets == "default":
-            targets = getattr(self.model, "default_lora_targets", "unet")
+            targets = self.model.default_lora_targets
+            if targets is None:
+                raise ConfigError(
+                    "lora_targets", f"{type(self.model).__name__} has no default LoRA targets: name them"
+                )
         self.lora_names = lora_target_names(net, targets)
         config = LoraConfig(
             r=rank, lora_alpha=alpha, target_modules=self.lora_names, init_lora_weights="gaussian"
@@ -89,9 +96,7 @@ class Policy:
         params = dict(self.model.net.named_parameters())
         missing = [n for n, p in params.items() if p.requires_grad and n not in state]
         if missing:
-            raise ValueError(
-                f"checkpoint lacks trainable parameters {missing[:3]}… (different train_params?)"
-            )
+            raise UserError(f"checkpoint lacks trainable parameters {missing[:3]}… (different train_params?)")
         with torch.no_grad():
             for name, value in state.items():
                 params[name].copy_(value)

@@ -8,7 +8,7 @@ from its checkpoint (a wall-clock cell restarts, so that its budget stays whole)
 differs from the requested one is an error, never mixed in. Outputs: ``OUT/results.json`` (every
 evaluation point with iteration, seconds from ``timings.jsonl``, cumulative NFE from
 ``metrics.jsonl``), ``OUT/table.md``, score vs iteration / seconds / NFE plots and held-out
-per-category bars (``flowcredit.bench_report``). Honesty notes: 1) seconds are the trainer's
+per-category bars (``flowcredit.commands.bench_report``). Honesty notes: 1) seconds are the trainer's
 per-iteration wall clock, evaluation included (the same for every method); set-up (model load,
 DenseGRPO's ψ calibration, start evaluation) is reported apart. 2) NFE counts training calls only
 (rollout + values + update), not calibration or evaluation.
@@ -24,8 +24,9 @@ import shutil
 import time
 from pathlib import Path
 
-from flowcredit.bench_report import summarise, write_plots, write_table
-from flowcredit.config import Config, demo, load_config, trained_window
+from flowcredit.commands.bench_report import summarise, write_plots, write_table
+from flowcredit.config import COMPARED_PRESETS, Config, demo, load_config, trained_window
+from flowcredit.errors import UserError
 
 QUICK = (
     "--iterations 2 --prompts_per_iter 2 --group_size 4 --num_steps 5 --window_size 0 "
@@ -81,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
         "Compare credit methods (presets × seeds, equal budgets); other --field value pairs override config."
     )
     p = argparse.ArgumentParser(prog="flowcredit bench", description=doc)
-    p.add_argument("--presets", default="flow_grpo,dense_grpo,stepwise_grpo,tp_grpo")
+    p.add_argument("--presets", default=",".join(COMPARED_PRESETS), help="comma list of presets to compare")
     p.add_argument("--task", default="demo", choices=sorted(TASKS), help="settings shared by every cell")
     p.add_argument("--seeds", default=None, help="comma list (default 0,1,2; --quick: 0)")
     p.add_argument("--iterations", type=int, default=None, help="iterations per run (default: the task's)")
@@ -121,11 +122,11 @@ def run_cell(cell: dict, seed: int, runs: Path) -> Path:
     cfg = load_config(cell["preset"], None, [*cell["overrides"], *extra])
     saved = run_dir / "config.json"
     if saved.exists() and json.loads(saved.read_text()) != dataclasses.asdict(cfg):
-        raise ValueError(f"{run_dir} was run with another config; use another --out or delete it")
+        raise UserError(f"{run_dir} was run with another config; use another --out or delete it")
     if _finished(run_dir, cfg):
         print(f"bench: {run_dir.name}: finished earlier, not recomputed", flush=True)
         return run_dir
-    from flowcredit.checkpoint import find_checkpoint
+    from flowcredit.run.checkpoint import find_checkpoint
     from flowcredit.train import train
 
     resume = run_dir.exists() and not cfg.max_minutes and find_checkpoint(run_dir) is not None
@@ -151,7 +152,7 @@ def _finished(run_dir: Path, cfg: Config) -> bool:
 
 def read_run(run_dir: Path) -> dict:
     """Evaluation points of one run with cumulative seconds and NFE, plus its per-iteration costs."""
-    from flowcredit.runlog import read_metrics
+    from flowcredit.run.runlog import read_metrics
 
     lines = (run_dir / "timings.jsonl").read_text().splitlines()
     secs = {json.loads(x)["iteration"]: json.loads(x)["time/iteration_s"] for x in lines if x.strip()}

@@ -2,7 +2,7 @@
 
 Every step draws a fresh batch of rendered scenes with their captions from the ``train`` prompts,
 category-balanced (``balanced_batch``), so there is no dataset and no epoch, and the held-out ``test``
-combinations are never seen. Objective (SPEC §2):
+combinations are never seen. Objective (docs/algorithms.md §0):
 ``x_σ = (1 − σ)·x0 + σ·ε``, ``loss = mean ‖v_θ(x_σ, σ, c) − (ε − x0)‖²`` with σ logit-normal
 (``sigmoid(N(0, 1))``, SD3's choice) or uniform. 10 % of captions are replaced by the null caption so
 classifier-free guidance works. AdamW with linear warm-up then cosine decay to 10 %, gradient-norm clip

@@ -1,0 +1,1 @@
+"""The ``flowcredit`` commands: thin argument parsing over the library (``flowcredit.cli`` dispatches)."""

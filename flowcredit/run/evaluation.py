@@ -1,0 +1,208 @@
+"""ODE sampling and evaluation with fixed noise: of a model (``flowcredit eval`` / ``sample``) and of
+a training run's policy (:func:`evaluate_policy`).
+
+Evaluation draws its initial noise from a ``torch.Generator`` seeded with ``seed``, so two evaluations
+of one checkpoint agree exactly, and a checkpoint before and after training is compared on the same
+noise. Several seeds measure the evaluation noise floor: differences smaller than the spread across
+seeds are not learning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+from flowcredit.models.protocol import FlowModel
+from flowcredit.sde import SAMPLERS
+from flowcredit.tasks import shapes
+
+
+@torch.no_grad()
+def sample(
+    model: FlowModel,
+    prompts: list[str],
+    noise: torch.Tensor,
+    num_steps: int | None = None,
+    shift: float | None = None,
+    guidance_scale: float | None = None,
+    chunk: int = 128,
+) -> torch.Tensor:
+    """Euler ODE sampling from ``noise`` (σ = 1) to images, in chunks of ``chunk`` prompts.
+
+    Args:
+        prompts: ``B`` captions. noise: ``(B, C, H, W)`` initial states x_0.
+        num_steps, shift, guidance_scale: default to the model's ``num_steps``, ``shift`` and
+            ``guidance_scale``.
+    Returns:
+        images ``(B, 3, H, W)`` float32 in [0, 1].
+    """
+    num_steps = num_steps or model.num_steps
+    shift = shift if shift is not None else model.shift
+    sig = model.sigmas(num_steps, shift)  # (N + 1,)
+    ode = SAMPLERS["ode"]
+    saved = model.guidance_scale
+    if guidance_scale is not None:
+        model.guidance_scale = float(guidance_scale)
+    try:
+        out = []
+        for start in range(0, len(prompts), chunk):
+            cond = model.encode(list(prompts[start : start + chunk]))
+            x = noise[start : start + chunk].float()  # (b, C, H, W)
+            for i in range(num_steps):
+                sigma = sig[i].expand(x.shape[0])  # (b,)
+                x = ode(model.velocity(x, sigma, cond), x, sigma, sig[i + 1].expand(x.shape[0])).x_next
+            out.append(model.decode(x).cpu())
+    finally:
+        model.guidance_scale = saved
+    return torch.cat(out)
+
+
+def initial_noise(n: int, latent_shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """``(n, *latent_shape)`` standard normal from a CPU generator seeded with ``seed``."""
+    return torch.randn((n, *latent_shape), generator=torch.Generator().manual_seed(seed))
+
+
+def evaluate(
+    model: FlowModel,
+    metas: list[dict],
+    seed: int = 0,
+    samples_per_prompt: int = 4,
+    num_steps: int | None = None,
+    shift: float | None = None,
+    guidance_scale: float | None = None,
+    chunk: int = 128,
+    return_images: bool = False,
+) -> dict:
+    """ShapeEval of ``model`` on prompts ``metas`` with fixed initial noise.
+
+    Every prompt is sampled ``samples_per_prompt`` times (prompt-major order).
+    Returns:
+        ``{"table": evaluation_table (per category + "overall", soft and strict), "prompts": [str],
+        "soft": [float], "strict": [float]}`` and ``"images" (P·k, 3, H, W)`` if ``return_images``.
+    """
+    rows = [m for m in metas for _ in range(samples_per_prompt)]
+    prompts = [m["prompt"] for m in rows]
+    noise = initial_noise(len(rows), tuple(model.latent_shape), seed).to(_device(model))
+    images = sample(model, prompts, noise, num_steps, shift, guidance_scale, chunk)
+    scores = shapes.score_images(images, rows)
+    out = {
+        "table": shapes.evaluation_table(scores["soft"], scores["strict"], scores["category"]),
+        "prompts": prompts,
+        "soft": scores["soft"].tolist(),
+        "strict": scores["strict"].tolist(),
+    }
+    if return_images:
+        out["images"] = images
+    return out
+
+
+def _device(model: FlowModel) -> torch.device:
+    return next(model.net.parameters()).device
+
+
+def seed_summary(tables: list[dict]) -> dict:
+    """Mean, std (ddof 0), min and max across seeds of every ``(category, soft|strict)`` entry."""
+    out = {}
+    for cat in tables[0]:
+        out[cat] = {}
+        for key in ("soft", "strict"):
+            v = np.array([t[cat][key] for t in tables])
+            out[cat][key] = {
+                "mean": float(v.mean()),
+                "std": float(v.std()),
+                "min": float(v.min()),
+                "max": float(v.max()),
+            }
+    return out
+
+
+def image_grid(
+    images: torch.Tensor, captions: list[str], ncols: int, scale: int = 3, marks: list[float] | None = None
+) -> Image.Image:
+    """Rows of ``ncols`` images, each row headed by its caption; optional green/red frame per image.
+
+    Args:
+        images: ``(R·ncols, 3, H, W)`` in [0, 1]; captions: ``R`` strings; marks: ``R·ncols`` values,
+            1 → green frame (strict pass), 0 → red.
+    """
+    n, _, H, W = images.shape
+    rows, cell, pad, text_h = len(captions), H * scale, 4, 14
+    grid = Image.new("RGB", (ncols * (cell + pad) + pad, rows * (cell + pad + text_h) + pad), "white")
+    draw = ImageDraw.Draw(grid)
+    pixels = (images.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
+    for i in range(min(n, rows * ncols)):
+        r, c = divmod(i, ncols)
+        x, y = pad + c * (cell + pad), pad + r * (cell + pad + text_h) + text_h
+        if c == 0:
+            draw.text((pad, y - text_h + 1), captions[r], fill="black")
+        tile = Image.fromarray(pixels[i]).resize((cell, cell), Image.NEAREST)
+        grid.paste(tile, (x, y))
+        if marks is not None:
+            color = (40, 170, 60) if marks[i] >= 1.0 else (210, 50, 50)
+            draw.rectangle([x - 1, y - 1, x + cell, y + cell], outline=color)
+    return grid
+
+
+def _eval_tables(s, metas: list[dict], seed: int, images: bool = False) -> dict:
+    """ShapeEval tables (``shapes`` reward) or the mean configured reward, ODE sampler, fixed noise."""
+    cfg, k = s.cfg, s.cfg.eval_samples_per_prompt
+    ema = s.ema.applied() if s.ema is not None else contextlib.nullcontext()
+    with torch.no_grad(), ema, s.policy.merged():
+        if cfg.reward == "shapes":
+            return evaluate(
+                s.model,
+                metas,
+                seed=seed,
+                samples_per_prompt=k,
+                num_steps=cfg.num_steps,
+                shift=cfg.shift,
+                return_images=images,
+            )
+        rows = [m for m in metas for _ in range(k)]
+        noise = initial_noise(len(rows), tuple(s.model.latent_shape), seed)
+        imgs = sample(
+            s.model, [m["prompt"] for m in rows], noise, cfg.num_steps, cfg.shift, None, cfg.batch_size
+        )
+        score = s.reward(imgs, [m["prompt"] for m in rows], rows).mean().item()
+        out = {"table": {"overall": {"soft": score, "strict": math.nan}}}
+        return {**out, "images": imgs} if images else out
+
+
+def evaluate_policy(s, tag: str | None) -> dict:
+    """Held-out (and, with a small training set, trained-prompt) scores of a run's policy (a
+    ``flowcredit.run.session.Session``) with the ODE sampler and fixed noise.
+
+    ``tag`` names the image grids saved in the run directory (``grid_<tag>_<set>.png``); ``"start"``
+    also measures the noise floor (std over 3 noise seeds), kept in ``s.history``.
+    """
+    out = {}
+    sets = {"test": s.eval_metas}
+    if len(s.train_metas) <= 32:  # a small training set is evaluated too (did the trained prompts improve?)
+        sets["train"] = s.train_metas
+    for name, metas in sets.items():
+        res = _eval_tables(s, metas, s.cfg.eval_seed, images=tag is not None)
+        overall = res["table"]["overall"]
+        out[f"eval/{name}/soft"], out[f"eval/{name}/strict"] = overall["soft"], overall["strict"]
+        for cat, row in res["table"].items():  # per ShapeEval category (held-out set only)
+            if name == "test" and cat != "overall" and len(res["table"]) > 2:
+                out[f"eval/test/{cat}/soft"], out[f"eval/test/{cat}/strict"] = row["soft"], row["strict"]
+        if tag is not None:
+            _save_grid(s, res, metas, f"grid_{tag}_{name}.png")
+        if tag == "start":
+            floors = [_eval_tables(s, metas, s.cfg.eval_seed + k)["table"]["overall"]["soft"] for k in (1, 2)]
+            spread = torch.tensor([overall["soft"], *floors])
+            s.history[f"floor/{name}/soft"] = spread.std(unbiased=False).item()
+            out[f"eval/{name}/floor_soft"] = s.history[f"floor/{name}/soft"]
+    return out
+
+
+def _save_grid(s, res: dict, metas: list[dict], filename: str) -> None:
+    k = s.cfg.eval_samples_per_prompt
+    n = min(len(metas), 8)
+    rows = torch.tensor([i * k + j for i in range(n) for j in range(k)])
+    grid = image_grid(res["images"][rows], [m["prompt"] for m in metas[:n]], k)
+    grid.save(s.run_dir / filename)

@@ -1,0 +1,56 @@
+"""The end of a run: final weights, ``summary.json`` and the printed before/after summary."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from safetensors.torch import save_file
+
+from flowcredit.run.runlog import read_metrics
+
+
+def final_artifacts(s, elapsed: float) -> dict:
+    """Write ``final/`` (the trainable tensors, plus the adapter's own export), ``summary.json``, and
+    print the summary of the run ``s`` (a ``flowcredit.run.session.Session``); returns the summary."""
+    final = s.run_dir / "final"
+    final.mkdir(exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in s.policy.trainable_state().items()},
+        str(final / "trainable.safetensors"),
+    )
+    s.model.save_final(s.policy, final)
+    summary = run_summary(s, elapsed)
+    (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_summary(summary, s.cfg.credit, str(s.run_dir)))
+    return summary
+
+
+def run_summary(s, elapsed: float) -> dict:
+    """Minutes, iterations, and per evaluated set the soft score before, after and at best, with the
+    noise floor measured at the start."""
+    rows = read_metrics(s.run_dir)
+    evals = [r for r in rows if "eval/test/soft" in r]
+    summary = {"minutes": elapsed / 60, "iterations": rows[-1]["iteration"] if rows else 0}
+    for name in ("test", "train"):
+        if evals and f"eval/{name}/soft" in evals[0]:
+            summary[name] = {
+                "before": evals[0][f"eval/{name}/soft"],
+                "after": evals[-1][f"eval/{name}/soft"],
+                "best": max(r[f"eval/{name}/soft"] for r in evals),
+                "noise_floor": s.history.get(f"floor/{name}/soft", math.nan),
+            }
+    return summary
+
+
+def format_summary(summary: dict, credit: str, run_dir: str) -> str:
+    lines = [f"flowcredit: {summary['iterations']} iterations of {credit} in {summary['minutes']:.1f} min"]
+    for name in ("train", "test"):
+        if name in summary:
+            e = summary[name]
+            lines.append(
+                f"  eval {name:>5} (soft, ODE, fixed noise): before {e['before']:.3f} → after "
+                f"{e['after']:.3f} (best {e['best']:.3f}); noise floor ±{e['noise_floor']:.3f}"
+            )
+    lines.append(f"  outputs in {run_dir}/ (metrics.jsonl, reward_curve.png, grid_*.png, final/)")
+    return "\n".join(lines)

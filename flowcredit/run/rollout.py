@@ -1,0 +1,210 @@
+"""Model-agnostic rollouts and the state values a credit method needs (docs/algorithms.md §3 and
+docs/training.md, "One iteration", steps 1–3).
+
+An iteration's draws (prompts, initial noise) come from :func:`seeded` generators, so a resumed run
+draws exactly what the uninterrupted one would have. A rollout stores every state ``x_0 … x_N``
+and ``logp_old``; values are computed only for the states the method needs, all completions of all
+trajectories batched in lock-step, then decoded and scored in one reward call. With an estimator that
+follows the schedule (``ode_remaining``), a state whose step is deterministic (std 0 on every row: ODE
+steps outside the SDE window, the last step of cps / ddim_sde) has ``V_i = V_{i+1}`` exactly, so it
+is copied, not recomputed.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from flowcredit.config import Config, trained_window
+from flowcredit.values import ESTIMATORS, complete
+
+
+def seeded(seed: int, iteration: int, purpose: int) -> torch.Generator:
+    """A generator for one purpose of one iteration (no state to checkpoint).
+
+    Purposes: 0 prompts, 1 initial noise, 2 SDE noise, 3 update order.
+    """
+    return torch.Generator().manual_seed(seed * 1_000_003 + iteration * 101 + purpose)
+
+
+@dataclass
+class Batch:
+    """One iteration's rows on this rank: ``metas``/``prompts`` of its groups, ``group (b,)`` (index
+    into ``prompts``) and the initial noise ``x0 (b, C, H, W)``."""
+
+    metas: list[dict]
+    prompts: list[str]
+    group: torch.Tensor
+    x0: torch.Tensor
+
+
+def draw_batch(
+    metas: list[dict],
+    num_prompts: int,
+    group_size: int,
+    latent_shape: tuple[int, ...],
+    shared_noise: bool,
+    seed: int,
+    iteration: int,
+    world: int = 1,
+    rank: int = 0,
+) -> Batch:
+    """Draw ``num_prompts`` prompts (with replacement) and the initial noise of all their rows, then
+    keep this rank's whole groups.
+
+    The draw of all ``B = num_prompts · group_size`` rows is the same on every rank, so ranks together
+    hold exactly the rows of a single-process run. ``shared_noise``: one x₀ per group.
+    """
+    pick = torch.randint(len(metas), (num_prompts,), generator=seeded(seed, iteration, 0))
+    per_rank = num_prompts // world
+    mine_prompts = [metas[i] for i in pick[rank * per_rank : (rank + 1) * per_rank].tolist()]
+    group_all = torch.arange(num_prompts).repeat_interleave(group_size)  # (B,) group of each row
+    n_noise = num_prompts if shared_noise else len(group_all)
+    x0 = torch.randn((n_noise, *latent_shape), generator=seeded(seed, iteration, 1))
+    x0 = x0[group_all] if shared_noise else x0
+    mine = (group_all >= rank * per_rank) & (group_all < (rank + 1) * per_rank)
+    prompts = [m["prompt"] for m in mine_prompts]
+    return Batch(mine_prompts, prompts, group_all[mine] - rank * per_rank, x0[mine])
+
+
+def noise_levels(cfg: Config, psi: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-step sampler levels ``(N,)`` (0 = ODE step) and the trained mask ``(N,)``.
+
+    Inside the SDE window the level is ``cfg.noise_level``, or ψ_i when a calibrated ``psi (N,)`` is
+    given (DenseGRPO); outside it is 0.
+    """
+    w, k = trained_window(cfg)
+    trained = torch.zeros(cfg.num_steps, dtype=torch.bool)
+    trained[w : w + k] = True
+    levels = torch.where(trained, torch.full((cfg.num_steps,), cfg.noise_level), torch.zeros(cfg.num_steps))
+    if psi is not None:
+        levels = torch.where(trained, psi, torch.zeros_like(psi))
+    return levels, trained
+
+
+@dataclass
+class Rollout:
+    """``states (B, N + 1, C, H, W)``, ``logp (B, N)``, ``std (B, N)`` (0 on deterministic steps)."""
+
+    states: torch.Tensor
+    logp: torch.Tensor
+    std: torch.Tensor
+
+
+def chunked_velocity(model, x, sigma, cond, group, batch_size: int) -> torch.Tensor:
+    """``model.velocity`` over ``x (b, …)`` in chunks of ``batch_size`` rows; ``group (b,)`` indexes
+    ``cond``."""
+    out = []
+    for lo in range(0, x.shape[0], batch_size):
+        hi = lo + batch_size
+        out.append(model.velocity(x[lo:hi], sigma[lo:hi], cond[group[lo:hi]]))
+    return torch.cat(out)
+
+
+@torch.no_grad()
+def rollout(
+    model, cond, group, x0, sigmas, levels, step_fn, generator, logp_mode="gaussian", batch_size=64
+) -> Rollout:
+    """Sample ``B`` trajectories with ``step_fn`` and per-step noise ``levels (N,)`` (0 = ODE step).
+
+    Args:
+        cond: the model's encoding of the unique prompts; ``group (B,)`` maps each row to its prompt.
+        x0: ``(B, C, H, W)`` initial noise. sigmas: ``(N + 1,)``. generator: the SDE noise source.
+    """
+    b, n = x0.shape[0], sigmas.numel() - 1
+    states, logps, stds = [x0.float()], [], []
+    x = states[0]
+    for i in range(n):
+        sigma = sigmas[i].expand(b)
+        v = chunked_velocity(model, x, sigma, cond, group, batch_size)
+        step = step_fn(
+            v,
+            x,
+            sigmas[i].item(),
+            sigmas[i + 1].item(),
+            float(levels[i]),
+            generator=generator,
+            logp_mode=logp_mode,
+        )
+        x = step.x_next
+        states.append(x)
+        logps.append(step.logp)
+        stds.append(step.std)
+    return Rollout(torch.stack(states, 1), torch.stack(logps, 1), torch.stack(stds, 1))
+
+
+def needed_states(needs: str, trained: torch.Tensor) -> torch.Tensor:
+    """Bool ``(N + 1,)``: ``V_N`` always; with ``needs="states"`` also both ends of every trained step.
+
+    ``needs`` is a credit method's :attr:`flowcredit.advantages.Credit.needs`.
+    """
+    n = trained.numel()
+    need = torch.zeros(n + 1, dtype=torch.bool)
+    need[n] = True
+    if needs == "states":
+        need[:n] |= trained
+        need[1:] |= trained
+    return need
+
+
+def plan_completions(need: torch.Tensor, deterministic: torch.Tensor, estimator: str):
+    """Which states to complete, and which to copy from the next state (estimators that follow the
+    schedule only: a deterministic step's start state has exactly the next state's completion).
+
+    Returns ``(compute (N + 1,) bool, copy (N + 1,) bool)``; ``V_N`` is always scored directly.
+    """
+    need = need.clone()
+    n = need.numel() - 1
+    copy = torch.zeros_like(need)
+    if ESTIMATORS[estimator].follows_schedule:
+        for i in range(n):  # ascending, so chains of deterministic steps propagate
+            if need[i] and deterministic[i]:
+                copy[i] = True
+                need[i + 1] = True
+    compute = need & ~copy
+    compute[n] = False
+    return compute, copy
+
+
+@torch.no_grad()
+def state_values(
+    model, cond, group, ro: Rollout, sigmas, needs, trained, estimator, substeps, score, batch_size=64
+):
+    """``V (B, N + 1)``: NaN where the method does not need a value (``needs``: see :func:`needed_states`).
+
+    ``score(images (M, 3, H, W), row_index (M,)) -> rewards (M,)`` is called twice: on the ``B``
+    final images, in a background thread while the completions run (a reward outside torch then
+    costs no wall time), and on all completions at once. Returns ``(values, nfe)`` with ``nfe`` =
+    model calls × rows.
+    """
+    b, n = ro.logp.shape
+    deterministic = (ro.std == 0).all(dim=0)  # (N,)
+    compute, copy = plan_completions(needed_states(needs, trained), deterministic, estimator)
+    states_idx = torch.nonzero(compute, as_tuple=True)[0]  # (S,)
+    row_of = torch.arange(b).repeat_interleave(len(states_idx))  # (B·S,)
+    start = states_idx.repeat(b)
+    nfe = [0]
+
+    def velocity(x, sigma, live):
+        nfe[0] += x.shape[0]
+        return chunked_velocity(model, x, sigma, cond, group[row_of[live]], batch_size)
+
+    values = torch.full((b, n + 1), math.nan)
+    finals = model.decode(ro.states[:, -1])
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        final_rewards = pool.submit(score, finals, torch.arange(b))
+        clean = None
+        if len(start):
+            clean = complete(
+                velocity, ro.states[row_of, start], sigmas, start, estimator, substeps, with_rows=True
+            )
+        values[:, n] = final_rewards.result()
+    if clean is not None:
+        values[row_of, start] = score(model.decode(clean), row_of)
+    for i in range(n - 1, -1, -1):
+        if copy[i]:
+            values[:, i] = values[:, i + 1]
+    return values, nfe[0]

@@ -1,0 +1,218 @@
+"""What a training run holds between iterations, built whole by :func:`build_session`.
+
+``build_session`` makes the model adapter (or takes an injected one), the policy (LoRA / trainable
+set / reference), the optimizer, EMA, the schedule, the SDE window, the reward (or an injected one)
+and the prompt sets, and restores a checkpoint when resuming. DenseGRPO's ψ comes from the checkpoint,
+from ``psi_path``, or from calibration, which ``flowcredit.train.train`` runs explicitly
+(``flowcredit.run.calibrate``); until then ``psi`` is None and every trained step uses ``noise_level``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from flowcredit.advantages import CREDITS, Credit
+from flowcredit.config import Config, credit_options
+from flowcredit.errors import UserError
+from flowcredit.models import FlowModel, check_adapter, load_model
+from flowcredit.rewards import Reward, get_reward
+from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from flowcredit.run.distributed import Dist
+from flowcredit.run.policy import EMA, Policy
+from flowcredit.run.rollout import Batch, draw_batch, noise_levels
+from flowcredit.sde import SAMPLERS, StepFn
+from flowcredit.tasks.prompt_sets import load_prompt_set
+
+
+@dataclass
+class Session:
+    """A run's state. ``trained (N,)`` marks the SDE window; ``psi (N,)`` is DenseGRPO's calibrated
+    noise (None: ``noise_level`` on every trained step); ``history`` keeps run-level numbers (noise
+    floors) across resumes."""
+
+    cfg: Config
+    run_dir: Path
+    dist: Dist
+    model: FlowModel
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+    reward: Reward
+    sigmas: torch.Tensor
+    trained: torch.Tensor
+    train_metas: list[dict]
+    eval_metas: list[dict]
+    psi: torch.Tensor | None = None
+    start_iteration: int = 0
+    history: dict = field(default_factory=dict)
+
+    @property
+    def step_fn(self) -> StepFn:
+        return SAMPLERS[self.cfg.sampler]
+
+    @property
+    def credit(self) -> Credit:
+        return CREDITS[self.cfg.credit]
+
+    @property
+    def credit_kwargs(self) -> dict:
+        """Keywords of this run's advantage function: the shared ``eps``/``adv_clip`` and its own options."""
+        return {"eps": self.cfg.adv_eps, "adv_clip": self.cfg.adv_clip, **credit_options(self.cfg)}
+
+    @property
+    def levels(self) -> torch.Tensor:
+        """``(N,)`` sampler level of each step (0 outside the window; ψ_i inside it once calibrated)."""
+        return noise_levels(self.cfg, self.psi)[0]
+
+    @property
+    def rollout_opts(self) -> tuple[str, int]:
+        """``(logp_mode, batch_size)`` of :func:`flowcredit.run.rollout.rollout`."""
+        return self.cfg.logp_mode, self.cfg.batch_size
+
+    @property
+    def value_opts(self) -> tuple[str, torch.Tensor, str, int]:
+        """``(needs, trained, estimator, substeps)`` of :func:`flowcredit.run.rollout.state_values`."""
+        return self.credit.needs, self.trained, self.cfg.estimator, self.cfg.substeps
+
+    def draw(self, iteration: int) -> Batch:
+        """This iteration's prompts and initial noise on this rank (:func:`draw_batch`)."""
+        c, shape = self.cfg, tuple(self.model.latent_shape)
+        world, rank = self.dist.world, self.dist.rank
+        return draw_batch(
+            self.train_metas,
+            c.prompts_per_iter,
+            c.group_size,
+            shape,
+            c.shared_noise,
+            c.seed,
+            iteration,
+            world,
+            rank,
+        )
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.policy.parameters()
+
+    @property
+    def guidance_passes(self) -> int:
+        return self.model.guidance_passes
+
+    def save(self, iteration: int) -> None:
+        """Atomic checkpoint of everything a resume needs."""
+        ema = None if self.ema is None else {f"{i:05d}": t for i, t in enumerate(self.ema.shadow)}
+        extra = {"psi": None if self.psi is None else self.psi.tolist(), "history": self.history}
+        save_checkpoint(
+            self.run_dir,
+            iteration=iteration,
+            trainable=self.policy.trainable_state(),
+            optimizer=self.optimizer.state_dict(),
+            ema=ema,
+            extra=extra,
+        )
+
+    def restore(self, state: dict) -> None:
+        self.policy.load_trainable_state(state["trainable"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and state["ema"] is not None:
+            for shadow, name in zip(self.ema.shadow, sorted(state["ema"])):
+                shadow.copy_(state["ema"][name])
+        extra = state["extra"]
+        self.psi = torch.tensor(extra["psi"]) if extra.get("psi") is not None else None
+        self.history = extra.get("history", {})
+        self.start_iteration = state["iteration"]
+
+
+def prepare_run_dir(cfg: Config, dist: Dist, resume: bool) -> Path:
+    """Create ``cfg.run_dir`` (rank 0) and write ``config.json``; a non-empty one needs ``resume``."""
+    run_dir = Path(cfg.run_dir)
+    if dist.is_main:
+        if not resume and run_dir.exists() and any(run_dir.iterdir()):
+            raise UserError(
+                f"run_dir {str(run_dir)!r} exists and is not empty; use "
+                f"'flowcredit train --resume {run_dir}' or another --run_dir"
+            )
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    dist.barrier()
+    return run_dir
+
+
+def build_session(
+    cfg: Config, resume: bool = False, *, model: FlowModel | None = None, reward: Reward | None = None
+) -> Session:
+    """The whole run: ``model`` and ``reward`` are built from ``cfg`` unless given (benchmarks and
+    tests inject them). Resuming restores the latest checkpoint of ``cfg.run_dir``."""
+    dist = Dist()
+    torch.set_num_threads(cfg.threads if dist.world == 1 else max(1, cfg.threads // dist.world))
+    if cfg.prompts_per_iter % dist.world:
+        raise UserError(
+            f"config field 'prompts_per_iter' ({cfg.prompts_per_iter}) must be divisible "
+            f"by the number of processes ({dist.world})"
+        )
+    if cfg.global_std and dist.world > 1:
+        raise UserError("config field 'global_std' is not supported with several processes yet")
+    run_dir = prepare_run_dir(cfg, dist, resume)
+    if model is None:
+        model = load_model(cfg)
+    else:
+        check_adapter(model, type(model).__name__)
+    policy = Policy(
+        model,
+        cfg.train_params,
+        cfg.lora_rank,
+        cfg.lora_alpha,
+        cfg.lora_targets,
+        need_reference=cfg.beta > 0,
+        seed=cfg.seed,
+    )
+    params = policy.parameters()
+    shapes = cfg.reward == "shapes"  # the shapes reward scores from ShapeEval metadata: check it up front
+    s = Session(
+        cfg=cfg,
+        run_dir=run_dir,
+        dist=dist,
+        model=model,
+        policy=policy,
+        optimizer=torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
+        ema=EMA(params, cfg.ema_decay) if cfg.ema_decay else None,
+        reward=reward
+        or get_reward(cfg.reward, json.loads(cfg.reward_options) if cfg.reward_options else None),
+        sigmas=model.sigmas(cfg.num_steps, cfg.shift),
+        trained=noise_levels(cfg, None)[1],
+        train_metas=load_prompt_set(cfg.train_prompts, cfg.num_train_prompts, False, shapes),
+        eval_metas=load_prompt_set(cfg.eval_prompts, cfg.num_eval_prompts, True, shapes),
+    )
+    ckpt = find_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        raise UserError(f"--resume {str(run_dir)!r}: no checkpoint in that run directory")
+    if ckpt is not None:
+        s.restore(load_checkpoint(ckpt))
+    elif cfg.psi_path:
+        s.psi = read_psi(cfg.psi_path, cfg.num_steps)
+    if s.psi is not None:
+        write_psi(s)
+    return s
+
+
+def read_psi(path: str, num_steps: int) -> torch.Tensor:
+    """ψ ``(N,)`` from a ``psi.json`` written by ``flowcredit calibrate`` (or by a run)."""
+    try:
+        psi = json.loads(Path(path).read_text())["psi"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"config field 'psi_path': cannot read ψ from {path!r} ({exc})") from None
+    if not isinstance(psi, list) or len(psi) != num_steps:
+        raise UserError(
+            f"config field 'psi_path': {path!r} must hold 'psi', a list of num_steps = {num_steps} values"
+        )
+    return torch.tensor(psi, dtype=torch.float32)
+
+
+def write_psi(s: Session) -> None:
+    """``run_dir/psi.json`` (rank 0): the ψ this run trains with, reusable as ``psi_path``."""
+    if s.dist.is_main:
+        (s.run_dir / "psi.json").write_text(json.dumps({"psi": s.psi.tolist()}) + "\n")

@@ -1,0 +1,62 @@
+"""Prompt sets for training and evaluation, read one way everywhere (trainer, ``eval``, ``calibrate``).
+
+A set is a ShapeEval split (``"train"`` / ``"test"``), a JSONL file (one object with a string
+``"prompt"`` per line, any other keys are metadata for the reward) or a text file (one prompt per
+line). Bad input raises :class:`flowcredit.errors.UserError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from flowcredit.errors import UserError
+
+SPLITS = ("train", "test")
+
+
+def read_prompts(spec: str, shapes_metadata: bool = False) -> list[dict]:
+    """All prompt metadata of ``spec``; ``shapes_metadata=True`` also requires every entry to be valid
+    ShapeEval metadata (the ``shapes`` reward scores from it)."""
+    if spec in SPLITS:
+        from flowcredit.tasks.shapes import load_prompts
+
+        return load_prompts(spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise UserError(f"prompt set {spec!r}: not a ShapeEval split {SPLITS} nor an existing file")
+    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+    if not lines:
+        raise UserError(f"prompt set {spec!r}: the file holds no prompts")
+    if path.suffix != ".jsonl":
+        metas = [{"prompt": ln} for ln in lines]
+    else:
+        metas = []
+        for k, line in enumerate(lines):
+            try:
+                meta = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{spec}: line {k + 1} is not JSON ({exc.msg})") from None
+            if not isinstance(meta, dict) or not isinstance(meta.get("prompt"), str):
+                raise UserError(f"{spec}: line {k + 1} has no string 'prompt' field")
+            metas.append(meta)
+    if shapes_metadata:
+        from flowcredit.tasks.shapes import validate_meta
+
+        for k, meta in enumerate(metas):
+            try:
+                validate_meta(meta)
+            except ValueError as exc:
+                raise UserError(f"{spec}: line {k + 1}: {exc}") from None
+    return metas
+
+
+def load_prompt_set(spec: str, limit: int, spread: bool, shapes_metadata: bool = False) -> list[dict]:
+    """:func:`read_prompts`, then the first ``limit`` prompts, or ``limit`` spread evenly (0: all)."""
+    metas = read_prompts(spec, shapes_metadata)
+    if not limit or limit >= len(metas):
+        return metas
+    if spread:
+        step = len(metas) / limit
+        return [metas[int(i * step)] for i in range(limit)]
+    return metas[:limit]
