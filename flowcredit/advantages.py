@@ -108,12 +108,35 @@ def dense(values, group, trained, *, eps=1e-4, adv_clip=5.0):
     return group_zscore(step_rewards(values), group, mask, eps).clamp(-adv_clip, adv_clip)
 
 
-def stepwise(values, group, trained, *, eps=1e-4, adv_clip=5.0):
-    """Stepwise-Flow-GRPO: ``(d_{b,i} − m)/(s + eps)``, m and s over all (member, trained step) pairs."""
+def stepwise(values, group, trained, *, eps=1e-4, adv_clip=5.0, center=True):
+    """Stepwise-Flow-GRPO: ``(d_{b,i} − m)/(s + eps)``, m and s over all (member, trained step) pairs.
+
+    ``center=False`` keeps each gain's sign: ``d_{b,i}/(rms + eps)`` with the root mean square of the
+    group's gains (0 for a group whose gains are all 0). A step that raised the reward is then always
+    reinforced and one that did nothing gets 0, as the paper describes its gains; centring instead
+    moves every zero gain to ``−m/s`` (one gain among 60 sends the 59 zeros to ≈ −0.13).
+    """
     _check(values, group, trained)
     mask = _broadcast_trained(trained, values.shape[0])
-    adv = group_zscore(step_rewards(values), group, mask, eps, per_column=False)
+    d = step_rewards(values)
+    if center:
+        adv = group_zscore(d, group, mask, eps, per_column=False)
+    else:
+        adv = group_rms_scale(d, group, mask, eps)
     return adv.clamp(-adv_clip, adv_clip)
+
+
+def group_rms_scale(x: torch.Tensor, group: torch.Tensor, mask: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / (rms + eps)`` with the root mean square over each group's selected entries of ``x (B, N)``;
+    unselected entries and all-zero groups give 0."""
+    out = torch.zeros_like(x, dtype=torch.float32)
+    x = torch.where(mask, x.float(), torch.zeros_like(x, dtype=torch.float32))
+    for g in torch.unique(group):
+        rows = group == g
+        xs, ms = x[rows], mask[rows]  # (G, N)
+        rms = torch.sqrt((xs**2).sum() / ms.sum().clamp(min=1))
+        out[rows] = torch.where(ms & (rms > 0), xs / (rms + eps), torch.zeros_like(xs))
+    return out
 
 
 def _window(trained: torch.Tensor) -> tuple[int, int]:
@@ -267,7 +290,7 @@ def register_credit(
 
 register_credit("flow_grpo", flow_grpo, "final", {"global_std": False}, {"global_std": "global_std"})
 register_credit("dense", dense, "states")
-register_credit("stepwise", stepwise, "states")
+register_credit("stepwise", stepwise, "states", {"center": True})
 register_credit(
     "turning_point",
     turning_point,

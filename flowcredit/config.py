@@ -38,6 +38,8 @@ class Config:
     """Stop after this many minutes of training (0: no limit); a checkpoint is written first."""
     threads: int = 2
     """torch intra-op threads (one per core here; one per rank under torchrun)."""
+    device: str = "cpu"
+    """Where the built-in model's network runs: 'cpu', 'cuda' or 'cuda:K' (sampler maths stay on the CPU)."""
     imports: str = ""
     """Comma list of Python modules imported before validation (they may register credit methods,
     samplers or presets: ``--imports my_methods --credit my_method``)."""
@@ -117,10 +119,12 @@ class Config:
     """Prompt groups per calibration round."""
     calib_eps1: float = 2.0
     """Algorithm 1's balance threshold ε1 (counts)."""
-    calib_eps2: float = 0.01
+    calib_eps2: float = 0.05
     """Algorithm 1's step ε2 on ψ."""
     calib_max_iters: int = 30
     """Cap on calibration rounds."""
+    calib_flips: int = 3
+    """Calibration stops once every trained ψ_i's update has changed direction this many times."""
     psi_path: str = ""
     """Reuse a calibrated ψ (psi.json from 'flowcredit calibrate') instead of calibrating."""
     # --- optimisation ---
@@ -308,6 +312,7 @@ def validate(cfg: Config) -> Config:
         f"window [{start}, {start + size}) must be non-empty and within the {cfg.num_steps} steps",
     )
     _check_sampler(cfg, start, size)
+    _check(cfg.calib_flips >= 1, "calib_flips", "must be >= 1")
     _check(
         not cfg.calibrate or cfg.sampler == "dance_sde",
         "calibrate",
@@ -328,6 +333,11 @@ def validate(cfg: Config) -> Config:
     dtypes = ("auto", "float32", "bfloat16", "float16")
     _check(cfg.dtype in dtypes, "dtype", f"{cfg.dtype!r} is not one of {dtypes}")
     _check(cfg.resolution >= 0, "resolution", "must be >= 0")
+    _check(
+        cfg.device == "cpu" or cfg.device.split(":")[0] == "cuda",
+        "device",
+        "must be 'cpu', 'cuda' or 'cuda:K'",
+    )
     return cfg
 
 
@@ -353,14 +363,16 @@ def dense_grpo() -> Config:
 
 
 def stepwise_grpo() -> Config:
-    """Stepwise-Flow-GRPO: DDIM-like SDE, euler(5) values, shared x_0 per group, joint normalisation."""
+    """Stepwise-Flow-GRPO: DDIM-like SDE, euler(5) values, joint normalisation of the gains that keeps
+    their signs (``center: false``), an initial noise per member (docs/algorithms.md §5.3)."""
     return Config(
         sampler="ddim_sde",
         noise_level=0.7,
         credit="stepwise",
+        credit_options='{"center": false}',
         estimator="euler",
         substeps=5,
-        shared_noise=True,
+        shared_noise=False,
         window_start=1,
         window_size=8,
     )

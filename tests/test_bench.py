@@ -11,7 +11,7 @@ from flowcredit.commands import bench, bench_report
 
 def test_quick_bench_writes_results_and_is_resumable(tmp_path, monkeypatch):
     out = tmp_path / "bench"
-    argv = ["--quick", "--presets", "flow_grpo,tp_grpo", "--seeds", "0", "--out", str(out)]
+    argv = ["--quick", "--presets", "flow_grpo,tp_grpo", "--no_cheap", "--seeds", "0", "--out", str(out)]
     assert bench.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["runs"]) == {"flow_grpo", "tp_grpo"}
@@ -138,3 +138,136 @@ def test_summary_reach_and_equal_seconds_on_the_trained_prompts():
     )  # only iteration 0 ≤ 40 s
     assert (flow["at_flow_seconds"], flow["at_flow_seconds_iteration"]) == (pytest.approx(0.7), 4)
     assert dense["train"][0] == pytest.approx(0.8) and dense["train_start"] == pytest.approx(0.6)
+
+
+def _seeded(seed, train, soft=None, strict=None, floor=0.01):
+    """A synthetic run of ``seed`` evaluated at iterations 0, 1, …: ``train`` (and optionally ``soft``,
+    ``strict``) values per iteration, 10 s per iteration."""
+    run = _run([(i, 10.0 * i, v) for i, v in enumerate(train)]) | {"seed": seed, "noise_floor": floor}
+    for k, values in (("soft", soft), ("strict", strict)):
+        for p, v in zip(run["points"], values or []):
+            p[k] = v
+    return run
+
+
+def test_paired_differences_by_hand():
+    from scipy import stats
+
+    base = [
+        _seeded(s, [0.6, f], soft=[0.5, 0.5], strict=[0.2, st])
+        for s, f, st in ((0, 0.70, 0.20), (1, 0.75, 0.30), (2, 0.80, 0.25))
+    ]
+    cell = [  # listed in another order than the baseline: matched by seed, not by position
+        _seeded(2, [0.6, 0.81], soft=[0.5, 0.51], strict=[0.2, 0.25]),
+        _seeded(0, [0.6, 0.72], soft=[0.5, 0.45], strict=[0.2, 0.21]),  # held-out harm: −0.05 < −2·0.01
+        _seeded(1, [0.6, 0.80], soft=[0.5, 0.49], strict=[0.2, 0.30]),
+    ]
+    paired = bench_report.paired_differences({"flow_grpo": base, "tp_grpo": cell})
+    p = paired["tp_grpo"]
+    assert p["n"] == 3 and p["paired_seeds"] == [2, 0, 1]
+    d = [0.01, 0.02, 0.05]  # train: 0.81 − 0.80, 0.72 − 0.70, 0.80 − 0.75
+    m = sum(d) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in d) / 2)
+    assert p["diff"]["train"][0] == pytest.approx(0.08 / 3)
+    assert p["diff"]["train"][1] == pytest.approx(stats.t.ppf(0.975, 2) * sd / math.sqrt(3))
+    assert p["diff_per_seed"]["soft"] == pytest.approx([0.01, -0.05, -0.01])
+    assert p["diff"]["soft"][0] == pytest.approx(-0.05 / 3)
+    assert p["diff"]["strict"][0] == pytest.approx((0.0 + 0.01 + 0.0) / 3)
+    assert p["gain"]["train"] == pytest.approx([0.21, 0.12, 0.20])
+    assert p["heldout_change"][0] == pytest.approx(-0.05 / 3) and p["harm_seeds"] == 1
+    assert p["nfe_ratio"] == pytest.approx(1.0) and p["nfe_per_iteration"] == pytest.approx(6.0)
+    assert "diff" not in paired["flow_grpo"] and paired["flow_grpo"]["harm_seeds"] == 0
+    assert paired["flow_grpo"]["heldout_change"] == (0.0, 0.0)
+
+
+def test_paired_differences_use_only_the_seeds_both_ran():
+    base = [_seeded(s, [0.6, 0.7 + 0.01 * s]) for s in (0, 1, 2)]
+    cell = [_seeded(s, [0.6, 0.8]) for s in (1, 2, 3)]  # no seed 0; seed 3 has no baseline
+    p = bench_report.paired_differences({"flow_grpo": base, "dense_grpo": cell})["dense_grpo"]
+    assert p["n"] == 2 and p["paired_seeds"] == [1, 2]
+    assert p["diff_per_seed"]["train"] == pytest.approx([0.09, 0.08])
+    assert p["seeds"] == [1, 2, 3] and len(p["gain"]["train"]) == 3  # own seeds: all three
+    one = bench_report.paired_differences({"flow_grpo": base, "dense_grpo": cell[:1]})["dense_grpo"]
+    assert one["n"] == 1 and math.isnan(one["diff"]["train"][1])
+
+
+def _curve(reach, last=10, start=0.6, target=0.8):
+    """Primary score over iterations 0..last: ``start`` until it jumps to ``target`` at ``reach``
+    (never when None)."""
+    return [start + (target - start) * (reach is not None and i >= reach) for i in range(last + 1)]
+
+
+def _claims(cell, reaches, base_final=0.8):
+    results = {
+        "flow_grpo": [_seeded(s, _curve(10, target=base_final)) for s in range(len(reaches))],
+        cell: [_seeded(s, _curve(r)) for s, r in enumerate(reaches)],
+    }
+    (c,) = bench_report.claims(results, bench_report.summarise([{"name": n} for n in results], results))
+    assert c["cell"] == cell
+    return c
+
+
+@pytest.mark.parametrize(
+    "cell, reaches, expected",
+    [
+        ("tp_grpo", (3, 3, 4), "reproduced"),  # ratio 0.333 ± 0.143: mean ≤ 0.4, upper ≤ 0.5
+        ("tp_grpo", (4, 5, 5), "inconclusive at n=3"),  # 0.467 ± 0.143: mean > 0.4, lower < 0.5
+        ("tp_grpo", (8, 9, 10), "not reproduced"),  # lower bound 0.652 > 0.5
+        ("tp_grpo", (3, None, None), "not reproduced"),  # most seeds never reach it
+        ("tp_grpo", (3, 3, None), "inconclusive at n=3"),  # one never: cannot be reproduced
+        ("tp_grpo-no_balance", (3,), "inconclusive at n=1"),
+        ("stepwise_grpo", (4, 5, 5), "reproduced"),  # 0.467 ± 0.143: mean ≤ 0.5, upper ≤ 0.67
+        ("stepwise_grpo", (9, 9, 10), "not reproduced"),  # lower bound 0.790 > 0.67
+        ("stepwise_grpo", (2, 4, 8), "inconclusive at n=3"),  # 0.467 ± 0.758
+    ],
+)
+def test_reach_claim_verdicts(cell, reaches, expected):
+    assert _claims(cell, reaches)["verdict"] == expected
+
+
+def test_reach_claim_needs_a_baseline_that_improved():
+    c = _claims("tp_grpo", (1, 1, 1), base_final=0.6)  # Flow-GRPO's final = its start: nothing to reach
+    assert c["verdict"] == "inconclusive at n=3" and "nothing to reach" in c["evidence"]
+
+
+@pytest.mark.parametrize(
+    "diffs, expected",
+    [
+        ((0.05, 0.06, 0.07), "reproduced"),  # lower bound > 0
+        ((-0.05, -0.06, -0.07), "not reproduced"),  # upper bound < 0
+        ((0.01, -0.01, 0.0), "not reproduced"),  # ±0.025 ≤ 0.03 around 0: no difference
+        ((0.05, -0.05, 0.0), "inconclusive at n=3"),  # ±0.124: too wide
+    ],
+)
+def test_dense_better_reward_verdicts(diffs, expected):
+    results = {
+        "flow_grpo": [_seeded(s, [0.6, 0.7]) for s in range(3)],
+        "dense_grpo": [_seeded(s, [0.6, 0.7 + d]) for s, d in enumerate(diffs)],
+    }
+    (c,) = bench_report.claims(results, bench_report.summarise([{"name": n} for n in results], results))
+    assert c["verdict"] == expected and c["cell"] == "dense_grpo"
+    assert ("no difference larger than" in c["evidence"]) == (diffs == (0.01, -0.01, 0.0))
+
+
+def test_table_has_the_paired_and_claims_sections(tmp_path):
+    results = {
+        "flow_grpo": [_seeded(s, _curve(10)) for s in range(3)],
+        "tp_grpo": [_seeded(s, _curve(r)) for s, r in enumerate((3, 3, 4))],
+        "dense_grpo": [_seeded(s, [0.6] * 10 + [0.8 + d]) for s, d in enumerate((0.01, 0.02, 0.05))],
+    }
+    cells = [{"name": n} for n in results]
+    rep = bench_report.report(cells, results)
+    assert set(rep) == {"table", "paired", "claims"} and len(rep["table"]) == 3
+    assert [c["cell"] for c in rep["claims"]] == ["tp_grpo", "dense_grpo"]
+    bench_report.write_table(tmp_path, rep["table"], {}, results)
+    table = (tmp_path / "table.md").read_text()
+    assert "### Paired difference to Flow-GRPO (same seeds, 95 % t-interval)" in table
+    assert "| dense_grpo | 3 | +0.027 ± 0.052 |" in table  # Δ trained of 0.01, 0.02, 0.05
+    assert "| flow_grpo | 3 | — |" in table and "| 0 / 3 |" in table
+    assert "### Paper claims" in table and "(tp_grpo): **reproduced**" in table
+    assert "(dense_grpo): **inconclusive at n=3**" in table  # ±0.052 > 0.03 around +0.027
+    bench_report.write_table(tmp_path, rep["table"], {})  # without results (or one seed): no sections
+    assert "### Paired" not in (tmp_path / "table.md").read_text()
+    one = {k: v[:1] for k, v in results.items()}
+    bench_report.write_table(tmp_path, bench_report.summarise(cells, one), {}, one)
+    assert "### Paper claims" not in (tmp_path / "table.md").read_text()

@@ -21,10 +21,13 @@ import dataclasses
 import json
 import math
 import shutil
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flowcredit.commands.bench_report import summarise, write_plots, write_table
+from flowcredit.commands.bench_report import report, write_plots, write_table
 from flowcredit.config import COMPARED_PRESETS, Config, demo, load_config, trained_window
 from flowcredit.errors import UserError
 
@@ -50,31 +53,62 @@ def _demo_task() -> list[str]:
     return task + ["--max_minutes", "0", "--calib_max_iters", "4", "--calib_groups", "2", "--eval_every", "2"]
 
 
-TASKS = {"demo": _demo_task, "presets": lambda: ["--iterations", "40", "--eval_every", "5"]}
+def _compare_task() -> list[str]:
+    """The demo recipe, evaluated on every held-out prompt (86 × 4 samples) and calibrating ψ fully."""
+    pairs = dict(zip(_demo_task()[::2], _demo_task()[1::2]))
+    pairs = {k: v for k, v in pairs.items() if k not in ("--calib_max_iters", "--calib_groups")}
+    pairs |= {"--num_eval_prompts": "0", "--eval_samples_per_prompt": "4"}
+    return [s for pair in pairs.items() for s in pair]
+
+
+TASKS = {
+    "demo": _demo_task,
+    "compare": _compare_task,
+    "presets": lambda: ["--iterations", "40", "--eval_every", "5"],
+}
 """``--task``: ``demo`` = the demo recipe (docs/recipes.md: 4 counting prompts × 12, LoRA r 4, lr 3e-4,
 an SDE window of 5 steps) with each method's own sampler, noise and credit, 10 iterations, evaluated every
-2; ``presets`` = the presets' own settings (the whole train set, 4 groups × 16), 40 iterations."""
+2 on 16 held-out prompts × 8; ``compare`` = the same on all 86 held-out prompts × 4, with ψ calibrated by
+the config's own rule (the powered comparison, docs/benchmarks.md); ``presets`` = the presets' own
+settings (the whole train set, 4 groups × 16), 40 iterations."""
 
 
 def _half_window(cfg: Config) -> list[str]:
     return ["--window_size", str(max(1, trained_window(cfg)[1] // 2))]
 
 
+SHARED = {
+    "beta": ["--beta", "0.04", "--kl_mode", "flow_grpo"],
+    "accum": ["--steps_per_update", "5"],
+}
+"""Candidates for settings shared by every method: Flow-GRPO's KL (β 0.04 with its own normaliser), and
+its optimizer geometry (every window step of the demo task accumulated into one optimizer step)."""
+
 ABLATIONS = {
+    "flow_grpo": SHARED,
     "tp_grpo": {
+        **SHARED,
         "no_constraint": ["--tp_constrained", "false"],
         "no_first_step": ["--tp_first_step", "false"],
         "no_balance": ["--tp_balance", "none"],
         "half_window": _half_window,
     },
-    "stepwise_grpo": {"per_step_norm": ["--credit", "dense"]},
+    "stepwise_grpo": {
+        "per_step_norm": ["--credit", "dense", "--credit_options", ""],
+        "centred": ["--credit_options", '{"center": true}'],
+        "shared_noise": ["--shared_noise", "true"],
+    },
     "dense_grpo": {
         "uniform_noise": ["--calibrate", "false"],
-        "euler1": ["--estimator", "euler", "--substeps", "1"],
         "euler5": ["--estimator", "euler", "--substeps", "5"],
     },
 }
 """``--ablations``: variants of each selected preset (ode_remaining is dense_grpo's own estimator)."""
+
+EULER1 = ["--estimator", "euler", "--substeps", "1"]
+CHEAP = {"dense_grpo": {"euler1": EULER1}, "tp_grpo": {"euler1": EULER1}}
+"""Rows of the comparison beside their presets: the dense methods with one-step (Tweedie, ``euler`` k = 1)
+values instead of ODE completions, at about Flow-GRPO's cost per iteration (``--no_cheap`` drops them)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,7 +123,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--minutes", type=float, default=0.0, help="equal wall-clock budget per run instead")
     p.add_argument("--out", default="runs/bench")
     p.add_argument("--quick", action="store_true", help="tiny settings that finish in a few minutes")
-    p.add_argument("--ablations", action="store_true", help="add the ablations of the selected presets")
+    p.add_argument(
+        "--ablations",
+        nargs="?",
+        const="all",
+        default="",
+        help="add the ablations of the selected presets (all, or a comma list of their names)",
+    )
+    p.add_argument("--no_cheap", action="store_true", help="without the one-step-value rows (CHEAP)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process (GPU: several)")
+    p.add_argument("--report_only", action="store_true", help="only read the finished runs under --out")
     return p
 
 
@@ -107,7 +150,10 @@ def plan_cells(args, rest: list[str]) -> list[dict]:
     cells = []
     for preset in args.presets.split(","):
         cells.append({"name": preset, "preset": preset, "ablation": None, "overrides": common})
-        for ablation, extra in (ABLATIONS.get(preset, {}) if args.ablations else {}).items():
+        variants = {} if getattr(args, "no_cheap", False) else dict(CHEAP.get(preset, {}))
+        wanted = {"all"} if args.ablations is True else set(filter(None, str(args.ablations).split(",")))
+        variants |= {k: v for k, v in ABLATIONS.get(preset, {}).items() if wanted & {"all", k}}
+        for ablation, extra in variants.items():
             if callable(extra):
                 extra = extra(load_config(preset, None, common))
             name = f"{preset}-{ablation}"
@@ -115,8 +161,9 @@ def plan_cells(args, rest: list[str]) -> list[dict]:
     return cells
 
 
-def run_cell(cell: dict, seed: int, runs: Path) -> Path:
-    """Train one cell unless its run is finished; returns the run directory."""
+def plan_run(cell: dict, seed: int, runs: Path) -> tuple[Path, Config, str]:
+    """``(run_dir, cfg, action)`` of one run; action: ``"done"`` (finished earlier, read only),
+    ``"resume"`` (an interrupted run with a checkpoint) or ``"train"`` (from scratch)."""
     run_dir = runs / f"{cell['name']}-seed{seed}"
     extra = ["--seed", str(seed), "--run_dir", str(run_dir)]
     cfg = load_config(cell["preset"], None, [*cell["overrides"], *extra])
@@ -124,21 +171,94 @@ def run_cell(cell: dict, seed: int, runs: Path) -> Path:
     if saved.exists() and json.loads(saved.read_text()) != dataclasses.asdict(cfg):
         raise UserError(f"{run_dir} was run with another config; use another --out or delete it")
     if _finished(run_dir, cfg):
-        print(f"bench: {run_dir.name}: finished earlier, not recomputed", flush=True)
-        return run_dir
+        return run_dir, cfg, "done"
     from flowcredit.run.checkpoint import find_checkpoint
-    from flowcredit.train import train
 
     resume = run_dir.exists() and not cfg.max_minutes and find_checkpoint(run_dir) is not None
-    if run_dir.exists() and not resume:
+    return run_dir, cfg, "resume" if resume else "train"
+
+
+def run_cell(cell: dict, seed: int, runs: Path) -> Path:
+    """Train one cell in this process unless its run is finished; returns the run directory."""
+    run_dir, cfg, action = plan_run(cell, seed, runs)
+    if action == "done":
+        print(f"bench: {run_dir.name}: finished earlier, not recomputed", flush=True)
+        return run_dir
+    from flowcredit.train import train
+
+    if run_dir.exists() and action == "train":
         shutil.rmtree(run_dir)
-    print(f"bench: {run_dir.name}: {'resuming' if resume else 'training'}", flush=True)
+    print(f"bench: {run_dir.name}: {'resuming' if action == 'resume' else 'training'}", flush=True)
     t0 = time.time()
-    train(cfg, resume=resume)
-    (run_dir / "bench.json").write_text(json.dumps({"wall_s": time.time() - t0, "resumed": resume}) + "\n")
+    train(cfg, resume=action == "resume")
+    _finish_run(run_dir, cfg, time.time() - t0, action == "resume")
+    return run_dir
+
+
+def run_in_process(cell: dict, seed: int, runs: Path) -> Path:
+    """The same as :func:`run_cell` in a child process (``--jobs``: several runs share a GPU)."""
+    run_dir, cfg, action = plan_run(cell, seed, runs)
+    if action == "done":
+        return run_dir
+    if run_dir.exists() and action == "train":
+        shutil.rmtree(run_dir)
+    argv = ["--resume", str(run_dir)] if action == "resume" else ["--preset", cell["preset"]]
+    argv += [*cell["overrides"], "--seed", str(seed), "--run_dir", str(run_dir)]
+    log = runs / f"{run_dir.name}.log"
+    t0 = time.time()
+    with open(log, "w") as fh:
+        code = subprocess.call([sys.executable, "-m", "flowcredit", "train", *argv], stdout=fh, stderr=fh)
+    if code:
+        raise SystemExit(f"bench: {run_dir.name} failed (exit {code}); see {log}")
+    _finish_run(run_dir, cfg, time.time() - t0, action == "resume")
+    print(f"bench: {run_dir.name}: done in {time.time() - t0:.0f} s", flush=True)
+    return run_dir
+
+
+def _finish_run(run_dir: Path, cfg: Config, wall: float, resumed: bool) -> None:
+    (run_dir / "bench.json").write_text(json.dumps({"wall_s": wall, "resumed": resumed}) + "\n")
     if not _finished(run_dir, cfg):  # SIGINT: train() stopped early; do not count a short run
         raise SystemExit(f"bench: {run_dir.name} was interrupted; run the same command again to resume")
-    return run_dir
+
+
+CALIBRATION_FIELDS = (
+    *("model", "checkpoint", "resolution", "dtype", "guidance_scale", "device", "reward", "reward_options"),
+    *("train_prompts", "num_train_prompts", "num_steps", "shift", "window_start", "window_size"),
+    *("group_size", "batch_size", "train_params", "lora_rank", "lora_alpha", "lora_targets"),
+)
+"""The config fields ψ's calibration reads (besides the ``calib_*`` ones); cells sharing one ψ must
+agree on them."""
+
+
+def _calibration_key(cfg: Config) -> tuple:
+    fields = dataclasses.asdict(cfg)
+    return tuple(
+        (k, v) for k, v in sorted(fields.items()) if k in CALIBRATION_FIELDS or k.startswith("calib_")
+    )
+
+
+def shared_psi(cells: list[dict], out: Path) -> list[dict]:
+    """Calibrate ψ once for the cells that calibrate (seed 0) and hand it to them as ``psi_path``: one
+    ψ per task and model, reused across seeds and by the cells' variants (another value estimator, say);
+    its wall time is reported apart (``OUT/psi/bench.json``). Cells whose calibrations would differ are
+    an error."""
+    configs = {c["name"]: load_config(c["preset"], None, c["overrides"]) for c in cells}
+    calibrating = [c for c in cells if configs[c["name"]].calibrate]
+    if not calibrating:
+        return cells
+    keys = {_calibration_key(configs[c["name"]]) for c in calibrating}
+    if len(keys) > 1:
+        raise UserError("bench: the cells that calibrate ψ would calibrate differently; bench them apart")
+    psi_dir, first = out / "psi", calibrating[0]
+    if not (psi_dir / "psi.json").is_file():
+        shutil.rmtree(psi_dir, ignore_errors=True)
+        from flowcredit.commands import calibrate
+
+        t0 = time.time()
+        calibrate.main(["--preset", first["preset"], *first["overrides"], "--run_dir", str(psi_dir)])
+        (psi_dir / "bench.json").write_text(json.dumps({"wall_s": time.time() - t0}) + "\n")
+    use = ["--calibrate", "false", "--psi_path", str(psi_dir / "psi.json")]
+    return [c | {"overrides": c["overrides"] + use} if c in calibrating else c for c in cells]
 
 
 def _finished(run_dir: Path, cfg: Config) -> bool:
@@ -219,24 +339,39 @@ def main(argv: list[str] | None = None) -> int:
     if len(rest) % 2:
         raise SystemExit(f"flowcredit bench: overrides must come as '--field value' pairs, got {rest}")
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",")]
-    cells = plan_cells(args, rest)
     out = Path(args.out)
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    _warm_imports()
+    cells = plan_cells(args, rest)
+    if not args.report_only:
+        cells = shared_psi(cells, out)
+    jobs = [(c, seed) for seed in seeds for c in cells]  # seed-major: early seeds of every cell first
+    if args.report_only:
+        done = {(c["name"], s): runs / f"{c['name']}-seed{s}" for c, s in jobs}
+        done = {k: d for k, d in done.items() if (d / "summary.json").is_file()}
+    elif args.jobs > 1:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            dirs = pool.map(lambda job: run_in_process(*job, runs), jobs)
+            done = {(c["name"], s): d for (c, s), d in zip(jobs, dirs)}
+    else:
+        _warm_imports()
+        done = {(c["name"], s): run_cell(c, s, runs) for c, s in jobs}
     results = {
-        c["name"]: [read_run(run_cell(c, seed, runs)) | {"seed": seed} for seed in seeds] for c in cells
+        c["name"]: [read_run(done[c["name"], s]) | {"seed": s} for s in seeds if (c["name"], s) in done]
+        for c in cells
     }
+    results = {name: r for name, r in results.items() if r}
+    cells = [c for c in cells if c["name"] in results]
     settings = {"task": args.task, "presets": args.presets.split(","), "seeds": seeds, "quick": args.quick}
-    settings |= {"ablations": args.ablations, "minutes": args.minutes}
-    rows = summarise(cells, results)
-    (out / "results.json").write_text(
-        json.dumps(
-            _json_safe({"settings": settings, "cells": cells, "table": rows, "runs": results}), indent=1
-        )
-        + "\n"
-    )
-    write_table(out, rows, settings)
+    settings |= {"ablations": args.ablations, "minutes": args.minutes, "jobs": args.jobs}
+    if (out / "psi" / "bench.json").is_file():
+        settings["psi_calibration_s"] = json.loads((out / "psi" / "bench.json").read_text())["wall_s"]
+    rep = report(cells, results)
+    rows = rep["table"]
+    data = {"settings": settings, "cells": cells, "table": rows, "paired": rep["paired"]}
+    data |= {"claims": rep["claims"], "runs": results}
+    (out / "results.json").write_text(json.dumps(_json_safe(data), indent=1) + "\n")
+    write_table(out, rows, settings, results)
     write_plots(out, cells, results, rows)
     print((out / "table.md").read_text())
     return 0

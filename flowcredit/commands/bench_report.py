@@ -4,6 +4,10 @@ Scores: ``test`` = held-out prompts (every task), ``train`` = the prompts traine
 the training set is small, as in the demo task). The *primary* score, on which "reach" and "at equal
 seconds" are computed, is ``train`` when every run has it (the demo task: did the method learn what
 it trained on?) and ``test`` otherwise.
+
+Comparisons to Flow-GRPO are *paired*: the same seed gives every cell the same start model, data order
+and evaluation noise, so ``paired_differences`` differences each cell's final point against the
+Flow-GRPO run of the same seed, and ``claims`` turns those into verdicts on the papers' claims.
 """
 
 from __future__ import annotations
@@ -84,6 +88,171 @@ def summarise(cells: list[dict], results: dict) -> list[dict]:
     return rows
 
 
+BASELINE = "flow_grpo"
+
+
+def _floor(run: dict, key: str) -> float:
+    """The run's noise floor of ``key`` (std of its start score over 3 noise seeds)."""
+    return run.get("train_floor", math.nan) if key == "train" else run.get("noise_floor", math.nan)
+
+
+def _nfe(runs: list[dict]) -> float:
+    """Seed-mean NFE per iteration, all phases together (rollout + values + update)."""
+    return _avg(runs, lambda r: sum(r["nfe_per_iteration"])) if runs else math.nan
+
+
+def _by_seed(runs: list[dict]) -> dict:
+    return {r["seed"]: r for r in runs}
+
+
+def paired_differences(results: dict, baseline: str = BASELINE) -> dict[str, dict]:
+    """Per cell (in ``results`` order), over the cell's own seeds:
+
+    - ``seeds``; ``gain[k]``: per-seed final − start of score ``k`` (``train`` when logged, ``soft``,
+      ``strict``), in the order of ``seeds``;
+    - ``heldout_change``: mean and 95 % half-width of held-out soft final − start;
+      ``harm_seeds``: how many seeds fell by more than 2 × their run's ``noise_floor`` (a NaN floor
+      counts as no harm);
+    - ``nfe_per_iteration`` (seed mean, all phases) and ``nfe_ratio`` (÷ the baseline's).
+
+    And for every cell but the baseline (when it is present), over the seeds that both ran (matched by
+    ``run["seed"]``): ``n``, ``paired_seeds``, ``diff_per_seed[k]`` = the cell's final − the baseline's
+    final of the same seed, and ``diff[k]`` = its mean and 95 % half-width (``ci95``; NaN for n = 1).
+    """
+    base = _by_seed(results.get(baseline, []))
+    base_nfe = _nfe(list(base.values()))
+    out = {}
+    for name, runs in results.items():
+        keys = [k for k in ("train", "soft", "strict") if all(k in r["points"][0] for r in runs)]
+        change = [r["points"][-1]["soft"] - r["points"][0]["soft"] for r in runs]
+        entry = {
+            "seeds": [r.get("seed") for r in runs],
+            "gain": {k: [r["points"][-1][k] - r["points"][0][k] for r in runs] for k in keys},
+            "heldout_change": ci95(change) if runs else (math.nan, math.nan),
+            "harm_seeds": sum(c < -2 * r["noise_floor"] for c, r in zip(change, runs)),
+            "nfe_per_iteration": _nfe(runs),
+            "nfe_ratio": _nfe(runs) / base_nfe if base_nfe else math.nan,
+        }
+        if base and name != baseline:
+            pairs = [(r, base[r["seed"]]) for r in runs if r["seed"] in base]
+            keys = [k for k in keys if all(k in b["points"][-1] for _, b in pairs)]
+            per_seed = {k: [r["points"][-1][k] - b["points"][-1][k] for r, b in pairs] for k in keys}
+            entry |= {"n": len(pairs), "paired_seeds": [r["seed"] for r, _ in pairs]}
+            entry |= {"diff_per_seed": per_seed, "diff": {k: ci95(v) for k, v in per_seed.items() if v}}
+        out[name] = entry
+    return out
+
+
+# (cell-name prefix, claim, rule): ("reach", mean_max, bound) or ("better", equivalence half-width)
+CLAIMS = (
+    ("tp_grpo", "TP-GRPO reaches Flow-GRPO's final score in ≈ 1/3 of the iterations", ("reach", 0.4, 0.5)),
+    ("stepwise_grpo", "Stepwise: 2–3× fewer iterations to reach Flow-GRPO's final", ("reach", 0.5, 0.67)),
+    ("dense_grpo", "DenseGRPO: better final reward than Flow-GRPO", ("better", 0.03)),
+)
+
+
+def verdict(rule: tuple, mean: float, half: float, n: int, never: int = 0) -> str:
+    """The verdict rules, all in one place. ``n`` = seeds paired with Flow-GRPO; below 2 seeds (no
+    interval) every claim is ``"inconclusive at n=<n>"``.
+
+    ``("reach", mean_max, bound)``: ``mean ± half`` is the seed-mean ratio (first evaluated iteration
+    where the cell's primary score ≥ the same seed's Flow-GRPO final) ÷ (that Flow-GRPO run's final
+    iteration); a seed that never reaches it counts with its last evaluated iteration, a lower bound
+    of its true ratio (``never`` of them).
+
+    - ``"reproduced"``: every seed reached it, the mean ≤ ``mean_max`` and the upper bound ≤ ``bound``
+      (TP-GRPO: 0.4 / 0.5, i.e. ≈ 1/3; Stepwise: 0.5 / 0.67, i.e. 2–3× fewer iterations);
+    - ``"not reproduced"``: most seeds never reach it, or the lower bound > ``bound`` (the censored
+      seeds only lower the mean, so this holds with them);
+    - else ``"inconclusive at n=<n>"``.
+
+    ``("better", eq)``: ``mean ± half`` = paired difference cell − Flow-GRPO of the final primary score.
+
+    - ``"reproduced"``: lower bound > 0 (better);
+    - ``"not reproduced"``: upper bound < 0 (worse), or the interval contains 0 and ``half`` ≤ ``eq``
+      (no difference larger than ±``half``: equivalent at this resolution);
+    - else ``"inconclusive at n=<n>"`` (the interval contains 0 but is too wide to exclude a gain).
+    """
+    inconclusive = f"inconclusive at n={n}"
+    if n < 2 or not math.isfinite(half):
+        return inconclusive
+    lo, hi = mean - half, mean + half
+    if rule[0] == "reach":
+        _, mean_max, bound = rule
+        if never > n / 2 or lo > bound:
+            return "not reproduced"
+        return "reproduced" if never == 0 and mean <= mean_max and hi <= bound else inconclusive
+    if lo > 0:
+        return "reproduced"
+    return "not reproduced" if hi < 0 or half <= rule[1] else inconclusive
+
+
+def _reach_claim(runs: list[dict], base: dict, key: str, rule: tuple) -> tuple[str, str]:
+    """Verdict and evidence of a "reach Flow-GRPO's final in fewer iterations" claim."""
+    pairs = [(r, base[r["seed"]]) for r in runs if r["seed"] in base]
+    ratios, never, shown = [], 0, []
+    for r, b in pairs:
+        target, total = b["points"][-1][key], b["points"][-1]["iteration"]
+        hit = next((p["iteration"] for p in r["points"] if p[key] >= target), None)
+        never += hit is None
+        it = r["points"][-1]["iteration"] if hit is None else hit
+        ratios.append(it / max(total, 1))
+        shown.append(f"{'never' if hit is None else hit}/{total}")
+    n = len(pairs)
+    if not n:
+        return f"inconclusive at n={n}", "no seed in common with Flow-GRPO"
+    mean, half = ci95(ratios)
+    gain = [b["points"][-1][key] - b["points"][0][key] for _, b in pairs]
+    floor = sum(_floor(b, key) for _, b in pairs) / n
+    evidence = (
+        f"iterations to reach Flow-GRPO's final {key} (same seed) / its iterations: {', '.join(shown)}; "
+        f"ratio {_pm((mean, half))}, never = at its last evaluation (reproduced: mean ≤ {rule[1]} "
+        f"and upper ≤ {rule[2]}; not reproduced: lower > {rule[2]} or most never)"
+    )
+    if sum(gain) / n <= 2 * floor:  # NaN floor: no guard
+        return f"inconclusive at n={n}", (
+            f"Flow-GRPO's {key} gained {sum(gain) / n:+.3f} ≤ 2 × noise floor ({floor:.3f}): "
+            "nothing to reach; " + evidence
+        )
+    return verdict(rule, mean, half, n, never), evidence
+
+
+def claims(results: dict, rows: list[dict] | None = None) -> list[dict]:
+    """Verdicts ``{claim, cell, verdict, evidence}`` on the papers' claims (``CLAIMS``, judged by
+    ``verdict``) for every cell whose name starts with a claim's prefix, against Flow-GRPO of the same
+    seeds, on the primary score (``rows[0]["primary"]`` when given, else ``primary_key``). A reach claim
+    is ``inconclusive`` also when Flow-GRPO's seed-mean gain (final − start) is ≤ 2 × its noise floor:
+    then its final is no target worth reaching. Empty without a Flow-GRPO cell."""
+    base = _by_seed(results.get(BASELINE, []))
+    if not base:
+        return []
+    key = rows[0]["primary"] if rows else primary_key(results)
+    names = [r["name"] for r in rows] if rows else list(results)
+    paired = paired_differences(results)
+    out = []
+    for name in names:
+        for prefix, claim, rule in CLAIMS:
+            if not name.startswith(prefix):
+                continue
+            if rule[0] == "reach":
+                verdict_, evidence = _reach_claim(results[name], base, key, rule)
+            else:
+                p = paired[name]
+                mean, half = p["diff"].get(key, (math.nan, math.nan))
+                verdict_ = verdict(rule, mean, half, p["n"])
+                evidence = f"Δ final {key} (paired, n={p['n']}) = {_pm((mean, half), '+')}"
+                if verdict_ == "not reproduced" and mean + half >= 0:
+                    evidence = f"no difference larger than ±{half:.3f}: " + evidence
+            out.append({"claim": claim, "cell": name, "verdict": verdict_, "evidence": evidence})
+    return out
+
+
+def report(cells: list[dict], results: dict) -> dict:
+    """Everything ``bench`` stores: ``table`` (``summarise``), ``paired`` and ``claims``."""
+    rows = summarise(cells, results)
+    return {"table": rows, "paired": paired_differences(results), "claims": claims(results, rows)}
+
+
 def _final_categories(runs: list[dict]) -> dict[str, list[float]]:
     """Held-out per-category final soft score: ``{category: [start mean, final mean]}`` over seeds."""
     cats = set.intersection(*(set(r.get("categories_final", {})) for r in runs)) if runs else set()
@@ -93,18 +262,20 @@ def _final_categories(runs: list[dict]) -> dict[str, list[float]]:
     }
 
 
-def _pm(mean_half: tuple[float, float] | None) -> str:
+def _pm(mean_half: tuple[float, float] | None, sign: str = "") -> str:
     if mean_half is None:
         return "—"
     mean, half = mean_half
-    return f"{mean:.3f} ± {half:.3f}" if math.isfinite(half) else f"{mean:.3f} (one seed)"
+    return f"{mean:{sign}.3f} ± {half:.3f}" if math.isfinite(half) else f"{mean:{sign}.3f} (one seed)"
 
 
 def _opt(value, fmt: str) -> str:
     return "—" if value is None else format(value, fmt)
 
 
-def write_table(out: Path, rows: list[dict], settings: dict) -> None:
+def write_table(out: Path, rows: list[dict], settings: dict, results: dict | None = None) -> None:
+    """OUT/table.md: the summary rows, then, given ``results`` with a Flow-GRPO cell of ≥ 2 seeds, the
+    paired differences to it and the verdicts on the papers' claims."""
     r0 = rows[0] if rows else {}
     key = r0.get("primary", "soft")
     label = "trained prompts" if key == "train" else "held-out"
@@ -138,7 +309,37 @@ def write_table(out: Path, rows: list[dict], settings: dict) -> None:
             f"| {_opt(r['reach_iteration'], '.0f')} / {_opt(r['reach_seconds'], '.0f')} | {equal} | {nfe_s} "
             f"| {r['s_per_iteration']:.1f} | {r['setup_seconds']:.0f} |"
         )
+    if results and len(results.get(BASELINE, [])) >= 2:
+        lines += _paired_lines(results, rows)
     (out / "table.md").write_text("\n".join(lines) + "\n")
+
+
+def _paired_lines(results: dict, rows: list[dict]) -> list[str]:
+    paired = paired_differences(results)
+    lines = [
+        "",
+        "### Paired difference to Flow-GRPO (same seeds, 95 % t-interval)",
+        "",
+        "Δ = the cell's final − Flow-GRPO's final of the same seed, mean ± 95 % t-interval over the n "
+        "seeds both ran. Held-out change = held-out soft final − start (all the cell's seeds); harm = a "
+        "fall of more than 2 × the run's noise floor.",
+        "",
+        "| cell | n | Δ trained | Δ held-out soft | Δ held-out strict | held-out change (final − start) "
+        "| seeds with held-out harm > 2×floor | NFE/it | NFE/it ÷ Flow-GRPO's |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, p in paired.items():
+        diff = p.get("diff", {})
+        delta = [_pm(diff[k], "+") if k in diff else "—" for k in ("train", "soft", "strict")]
+        lines.append(
+            f"| {name} | {p.get('n', len(p['seeds']))} | {' | '.join(delta)} "
+            f"| {_pm(p['heldout_change'], '+')} | {p['harm_seeds']} / {len(p['seeds'])} "
+            f"| {p['nfe_per_iteration']:,.0f} | {p['nfe_ratio']:.2f}× |"
+        )
+    verdicts = claims(results, rows)
+    lines += ["", "### Paper claims", ""]
+    lines += [f"- **{c['claim']}** ({c['cell']}): **{c['verdict']}**. {c['evidence']}." for c in verdicts]
+    return lines + ([] if verdicts else ["- no cell tests a paper claim"])
 
 
 def write_plots(out: Path, cells: list[dict], results: dict, rows: list[dict]) -> None:

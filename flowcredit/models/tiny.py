@@ -185,9 +185,12 @@ class TinyFlowModel(FlowModelBase):
         Args:
             x: ``(B, 3, H, W)`` float32; sigma: ``(B,)`` (or a float) in [0, 1]; cond: ``encode`` output.
         Returns:
-            ``(B, 3, H, W)`` float32. With ``w == 1`` only the conditional pass runs; otherwise both
-            branches run as one batch of ``2B``.
+            ``(B, 3, H, W)`` float32 on ``x``'s device. With ``w == 1`` only the conditional pass runs;
+            otherwise both branches run as one batch of ``2B``. ``x`` may live on another device than
+            the network (the trainer keeps latents on the CPU): it is moved there and back.
         """
+        if x.device != self.device:
+            return self.velocity(x.to(self.device), torch.as_tensor(sigma).to(self.device), cond).to(x.device)
         B = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(B)  # (B,)
         w = self.guidance_scale
@@ -263,5 +266,6 @@ def load_checkpoint(spec: str | Path, device: str | torch.device = "cpu") -> Tin
 
 
 def load_for_training(cfg) -> TinyFlowModel:
-    """Trainer entry point: the checkpoint named by ``cfg.checkpoint`` (``"builtin"`` or a directory)."""
-    return load_checkpoint(cfg.checkpoint)
+    """Trainer entry point: the checkpoint named by ``cfg.checkpoint`` (``"builtin"`` or a directory),
+    its network on ``cfg.device``."""
+    return load_checkpoint(cfg.checkpoint, cfg.device)

@@ -2,9 +2,9 @@
 
 Rollouts of the frozen initial policy with ``dance_sde`` at per-step level ψ, step rewards from
 ``ode_remaining`` values, then :func:`flowcredit.calibration.calibrate` (Algorithm 1) until every
-trained ψ_i has oscillated or ``calib_max_iters`` rounds have run. ψ starts at Flow-SDE's
-``g = a·√(σ/(1 − σ̃))`` with a = 0.7 (:func:`flowcredit.sde.flow_sde_g`). docs/algorithms.md,
-"DenseGRPO", has the rule and its deviations.
+trained ψ_i's update has changed direction ``calib_flips`` times or ``calib_max_iters`` rounds have
+run. ψ starts at Flow-SDE's ``g = a·√(σ/(1 − σ̃))`` with a = 0.7 (:func:`flowcredit.sde.flow_sde_g`).
+docs/algorithms.md §7 has the rule, the tie rule, the stopping rule and the step size.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import torch
 
 from flowcredit.advantages import step_rewards
-from flowcredit.calibration import calibrate
+from flowcredit.calibration import calibrate, sign_counts
 from flowcredit.errors import UserError
 from flowcredit.rewards.guard import ScoreFn
 from flowcredit.run.rollout import draw_batch, noise_levels, rollout, seeded, state_values
@@ -48,9 +48,11 @@ def ensure_psi(s: Session) -> None:
 
 def calibrate_psi(s: Session) -> torch.Tensor:
     """Calibrate ψ with the session's (still untrained) model; writes ``calibration.json`` (rank 0:
-    ψ, convergence and every round's P, Q) and returns ψ ``(N,)``."""
+    ψ, convergence, flips per step, and every round's ψ and P, Q, ties, tie fraction) and returns
+    ψ ``(N,)``."""
     cfg = s.cfg
     rounds = {"n": 0}
+    last = {}
 
     def sample_step_rewards(psi: torch.Tensor) -> torch.Tensor:
         it = CALIBRATION_ITERATIONS + rounds["n"]
@@ -87,10 +89,14 @@ def calibrate_psi(s: Session) -> torch.Tensor:
                 cfg.batch_size,
             )
         d = step_rewards(values)  # (B, N): NaN off the window, where no value was needed
-        return torch.where(s.trained, d, torch.zeros_like(d))
+        last["d"] = torch.where(s.trained, d, torch.zeros_like(d))
+        return last["d"]
 
     def progress(it, psi):
-        print(f"calibrate: round {it}: psi = {[round(p, 3) for p in psi[s.trained].tolist()]}", flush=True)
+        c = sign_counts(last["d"], s.trained)  # the d this round's update decided on
+        steps = torch.nonzero(s.trained, as_tuple=True)[0].tolist()
+        cells = [f"{i} {psi[i].item():.3f} {c['pos'][i]}/{c['neg'][i]}/{c['ties'][i]}" for i in steps]
+        print(f"calibrate: round {it}: step, new psi, P/Q/ties: {' | '.join(cells)}", flush=True)
 
     res = calibrate(
         sample_step_rewards,
@@ -100,12 +106,24 @@ def calibrate_psi(s: Session) -> torch.Tensor:
         cfg.calib_eps2,
         cfg.calib_max_iters,
         progress,
+        min_flips=cfg.calib_flips,
     )
     print(
         f"calibrate: {'converged' if res.converged else 'stopped at the cap'} after {res.iterations} rounds"
     )
     if s.dist.is_main:
         (s.run_dir / "calibration.json").write_text(
-            json.dumps({"psi": res.psi.tolist(), "converged": res.converged, "history": res.history}) + "\n"
+            json.dumps(
+                {
+                    "psi": res.psi.tolist(),
+                    "converged": res.converged,
+                    "iterations": res.iterations,
+                    "min_flips": cfg.calib_flips,
+                    "flips": res.flips,
+                    "history": res.history,
+                    "counts": res.counts,
+                }
+            )
+            + "\n"
         )
     return res.psi

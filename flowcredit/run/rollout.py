@@ -151,19 +151,28 @@ def needed_states(needs: str, trained: torch.Tensor) -> torch.Tensor:
 
 
 def plan_completions(need: torch.Tensor, deterministic: torch.Tensor, estimator: str):
-    """Which states to complete, and which to copy from the next state (estimators that follow the
-    schedule only: a deterministic step's start state has exactly the next state's completion).
+    """Which states to complete, and which to copy from the next state (``V_i = V_{i+1}``).
 
-    Returns ``(compute (N + 1,) bool, copy (N + 1,) bool)``; ``V_N`` is always scored directly.
+    Copied: with an estimator that follows the schedule, the start state of any deterministic step (its
+    completion passes through the next state); with any estimator, a state whose remaining steps are
+    all deterministic (anchoring: the sampled image *is* its completion, so ``V_i = V_N`` exactly and
+    the gains of a window telescope to ``V_N − V_w``).
+
+    Args:
+        need: ``(N + 1,)`` bool, the states whose value the method needs.
+        deterministic: ``(N,)`` bool, steps with std 0 on every row.
+    Returns:
+        ``(compute (N + 1,) bool, copy (N + 1,) bool)``; ``V_N`` is always scored directly.
     """
     need = need.clone()
     n = need.numel() - 1
     copy = torch.zeros_like(need)
-    if ESTIMATORS[estimator].follows_schedule:
-        for i in range(n):  # ascending, so chains of deterministic steps propagate
-            if need[i] and deterministic[i]:
-                copy[i] = True
-                need[i + 1] = True
+    tail = deterministic.flip(0).cumprod(0).flip(0).bool()  # (N,): steps i … N − 1 all deterministic
+    by_step = deterministic if ESTIMATORS[estimator].follows_schedule else tail
+    for i in range(n):  # ascending, so chains of deterministic steps propagate
+        if need[i] and by_step[i]:
+            copy[i] = True
+            need[i + 1] = True
     compute = need & ~copy
     compute[n] = False
     return compute, copy
