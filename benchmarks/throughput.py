@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from flowcredit.commands import bench
 from flowcredit.config import COMPARED_PRESETS, load_config
 from flowcredit.models.tiny import load_builtin
 from flowcredit.run.policy import Policy
@@ -67,20 +68,31 @@ def peak_rates(batch_sizes: list[int]) -> dict[int, tuple[float, float]]:
     return {b: (forward_rate(base, b), forward_rate(policy_model, b)) for b in batch_sizes}
 
 
-def small_config(preset: str, run_dir: Path, prompts: int, group: int):
-    overrides = ["--prompts_per_iter", str(prompts), "--group_size", str(group), "--num_train_prompts", "8"]
+def small_config(name: str, run_dir: Path, prompts: int, group: int, demo: bool = False):
+    """A preset, or a bench row ``preset-variant`` (e.g. ``tp_grpo-euler1``: ``bench.CHEAP``), at small
+    settings; ``demo``: with the demo task's recipe (4 prompts × 12, a window of 5 steps)."""
+    preset, _, variant = name.partition("-")
+    overrides = bench.TASKS["demo"]() if demo else []
+    overrides += ["--prompts_per_iter", str(prompts), "--group_size", str(group), "--num_train_prompts", "8"]
     overrides += ["--run_dir", str(run_dir), "--eval_every", "0", "--num_eval_prompts", "2"]
+    if variant:
+        known = {**bench.ABLATIONS.get(preset, {}), **bench.CHEAP.get(preset, {})}
+        if variant not in known or callable(known[variant]):
+            raise SystemExit(f"throughput: no bench row {name!r} (variants of {preset}: {sorted(known)})")
+        overrides += known[variant]
     if preset == "dense_grpo":
         overrides += ["--calibrate", "false"]  # calibration sets ψ (noise levels), not the cost
     return load_config(preset, None, overrides)
 
 
-def iteration_cost(preset: str, peak: float, prompts: int, group: int, merged_values: bool = True) -> dict:
+def iteration_cost(
+    preset: str, peak: float, prompts: int, group: int, merged_values: bool = True, demo: bool = False
+) -> dict:
     """The first iteration of ``preset`` (one-off kernel selection included: about 0–10 % here):
     seconds per phase, NFE, ratio to the floor. ``merged_values=False`` runs the value completions
     on the unmerged LoRA policy, as the trainer did before it merged them (the before/after row)."""
     with tempfile.TemporaryDirectory() as tmp:
-        s = build_session(small_config(preset, Path(tmp) / "run", prompts, group), resume=False)
+        s = build_session(small_config(preset, Path(tmp) / "run", prompts, group, demo), resume=False)
         if not merged_values:
             s.policy.merged = nullcontext
         t0 = time.perf_counter()
@@ -168,6 +180,8 @@ def print_tables(rates: dict, costs: list[dict], lock: dict) -> None:
             f"| {c['seconds']:.2f} | {c['ratio']:.2f}× | {c['rollout']:.2f} | {c['values']:.2f} "
             f"| {c.get('reward', 0.0):.2f} | {c['ppo_update']:.2f} |"
         )
+    if lock is None:
+        return
     print("\n### Value completions: batched lock-step vs one state at a time (same NFE)\n")
     print("| rows (states) | NFE | batched s | separate s | separate / batched | max abs diff |")
     speedup = lock["separate_s"] / lock["batched_s"]
@@ -186,6 +200,8 @@ def main() -> None:
     p.add_argument("--trajectories", type=int, default=16, help="rollouts in the lock-step comparison")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--profile", default=None, metavar="PRESET", help="only profile one iteration of PRESET")
+    p.add_argument("--demo_task", action="store_true", help="the demo task's recipe (window of 5 steps)")
+    p.add_argument("--no_lockstep", action="store_true", help="skip lock-step vs separate completions")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.profile:
@@ -194,10 +210,11 @@ def main() -> None:
     t0 = time.perf_counter()
     rates = peak_rates([int(b) for b in args.batch_sizes.split(",")])
     peak = max(r[0] for r in rates.values())
-    costs = [iteration_cost(name, peak, args.prompts, args.group) for name in args.presets.split(",")]
-    if "dense_grpo" in args.presets.split(","):  # before/after the merged value completions, same run
+    names = args.presets.split(",")
+    costs = [iteration_cost(name, peak, args.prompts, args.group, demo=args.demo_task) for name in names]
+    if "dense_grpo" in names:  # before/after the merged value completions, same run
         costs.append(iteration_cost("dense_grpo", peak, args.prompts, args.group, merged_values=False))
-    lock = lockstep_vs_separate(args.trajectories)
+    lock = None if args.no_lockstep else lockstep_vs_separate(args.trajectories)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print_tables(rates, costs, lock)
     print(f"\n(total {time.perf_counter() - t0:.0f} s)")

@@ -257,7 +257,7 @@ def test_table_has_the_paired_and_claims_sections(tmp_path):
     }
     cells = [{"name": n} for n in results]
     rep = bench_report.report(cells, results)
-    assert set(rep) == {"table", "paired", "claims"} and len(rep["table"]) == 3
+    assert set(rep) == {"table", "paired", "variants", "claims"} and len(rep["table"]) == 3
     assert [c["cell"] for c in rep["claims"]] == ["tp_grpo", "dense_grpo"]
     bench_report.write_table(tmp_path, rep["table"], {}, results)
     table = (tmp_path / "table.md").read_text()

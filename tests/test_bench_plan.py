@@ -85,3 +85,27 @@ def test_parallel_runs_and_report_only(tmp_path):
     assert bench.main([*argv, "--iterations", "1", "--report_only"]) == 0
     again = json.loads((out / "results.json").read_text())
     assert again["runs"]["flow_grpo"][1]["points"] == first["runs"]["flow_grpo"][1]["points"]
+
+
+def test_variants_are_paired_with_their_own_preset():
+    from flowcredit.commands.bench_report import ablation_differences
+
+    def run(seed, final):
+        return {
+            "seed": seed,
+            "noise_floor": 0.01,
+            "nfe_per_iteration": [1, 0, 1],
+            "points": [
+                {"soft": 0.5, "strict": 0.2, "train": 0.5},
+                {"soft": final, "strict": 0.2, "train": final},
+            ],
+        }
+
+    results = {
+        "flow_grpo": [run(0, 0.9), run(1, 0.9)],
+        "tp_grpo": [run(0, 0.6), run(1, 0.7)],
+        "tp_grpo-beta": [run(0, 0.7), run(1, 0.9)],
+    }
+    got = ablation_differences(results)
+    assert set(got) == {"tp_grpo-beta"}
+    assert got["tp_grpo-beta"]["diff_per_seed"]["train"] == pytest.approx([0.1, 0.2])  # against tp_grpo

@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     cells = plan_cells(args, rest)
-    if not args.report_only:
+    if not args.report_only or (out / "psi" / "psi.json").is_file():  # report: name the ψ that was used
         cells = shared_psi(cells, out)
     jobs = [(c, seed) for seed in seeds for c in cells]  # seed-major: early seeds of every cell first
     if args.report_only:
@@ -368,7 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         settings["psi_calibration_s"] = json.loads((out / "psi" / "bench.json").read_text())["wall_s"]
     rep = report(cells, results)
     rows = rep["table"]
-    data = {"settings": settings, "cells": cells, "table": rows, "paired": rep["paired"]}
+    data = {
+        "settings": settings,
+        "cells": cells,
+        "table": rows,
+        "paired": rep["paired"],
+        "variants": rep["variants"],
+    }
     data |= {"claims": rep["claims"], "runs": results}
     (out / "results.json").write_text(json.dumps(_json_safe(data), indent=1) + "\n")
     write_table(out, rows, settings, results)

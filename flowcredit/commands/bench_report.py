@@ -247,10 +247,23 @@ def claims(results: dict, rows: list[dict] | None = None) -> list[dict]:
     return out
 
 
+def ablation_differences(results: dict) -> dict[str, dict]:
+    """For every variant cell ``"<preset>-<variant>"`` whose preset cell ran too: its
+    :func:`paired_differences` entry against that preset (same seeds), not against Flow-GRPO."""
+    out = {}
+    for name in results:
+        base = name.split("-")[0]
+        if base != name and base in results:
+            out[name] = paired_differences({base: results[base], name: results[name]}, base)[name]
+    return out
+
+
 def report(cells: list[dict], results: dict) -> dict:
-    """Everything ``bench`` stores: ``table`` (``summarise``), ``paired`` and ``claims``."""
+    """Everything ``bench`` stores: ``table`` (``summarise``), ``paired``, ``variants`` (each variant
+    against its own preset) and ``claims``."""
     rows = summarise(cells, results)
-    return {"table": rows, "paired": paired_differences(results), "claims": claims(results, rows)}
+    paired, variants = paired_differences(results), ablation_differences(results)
+    return {"table": rows, "paired": paired, "variants": variants, "claims": claims(results, rows)}
 
 
 def _final_categories(runs: list[dict]) -> dict[str, list[float]]:
@@ -336,6 +349,19 @@ def _paired_lines(results: dict, rows: list[dict]) -> list[str]:
             f"| {_pm(p['heldout_change'], '+')} | {p['harm_seeds']} / {len(p['seeds'])} "
             f"| {p['nfe_per_iteration']:,.0f} | {p['nfe_ratio']:.2f}× |"
         )
+    variants = ablation_differences(results)
+    if variants:
+        lines += [
+            "",
+            "### Variants against their own preset (same seeds, 95 % t-interval)",
+            "",
+            "| variant | n | Δ trained | Δ held-out soft | Δ held-out strict |",
+            "|---|---|---|---|---|",
+        ]
+        for name, p in variants.items():
+            diff = p.get("diff", {})
+            delta = [_pm(diff[k], "+") if k in diff else "—" for k in ("train", "soft", "strict")]
+            lines.append(f"| {name} | {p.get('n', 0)} | {' | '.join(delta)} |")
     verdicts = claims(results, rows)
     lines += ["", "### Paper claims", ""]
     lines += [f"- **{c['claim']}** ({c['cell']}): **{c['verdict']}**. {c['evidence']}." for c in verdicts]
