@@ -44,20 +44,18 @@ def grpo_iteration(s: Session, it: int) -> dict:
     group = batch.group  # (B,) index of each row's prompt
     with torch.no_grad():
         cond = model.encode(batch.prompts)
-    sde_gen = seeded(cfg.seed + 7919 * s.dist.rank, it, 2)
+    sde_gen = seeded(cfg.seed, it, 2)  # the same on every rank: rollout keeps this rank's rows
     with clock("rollout"):
-        ro = rollout(model, cond, group, batch.x0, s.sigmas, s.levels, s.step_fn, sde_gen, *s.rollout_opts)
+        ro = rollout(
+            model, cond, group, batch.x0, s.sigmas, s.levels, s.step_fn, sde_gen, *s.rollout_opts, batch.rows
+        )
     score = ScoreFn(s.reward, cfg.reward, batch.prompts, batch.metas, group, cfg.skip_bad_rewards)
     with clock("values"), s.policy.merged():  # values never enter logp_old: merged weights are safe
         values, nfe_values = state_values(
             model, cond, group, ro, s.sigmas, *s.value_opts, score, cfg.batch_size
         )
-    bad = torch.isnan(values[:, needed_states(s.credit.needs, s.trained)]).any(dim=1)  # (B,)
-    bad_groups = torch.unique(group[bad])
-    ok = ~torch.isin(group, bad_groups)
-    adv = torch.zeros(len(group), cfg.num_steps)  # (B, N)
-    if ok.any():
-        adv[ok] = s.credit.fn(values[ok], group[ok], s.trained, **s.credit_kwargs)
+    adv, ok = advantages(s, values, group, batch.rows)  # (B, N), (B,)
+    bad_groups = torch.unique(group[~ok])
     live_groups = torch.unique(group[(adv != 0).any(dim=1)])
     keep = torch.nonzero(torch.isin(group, live_groups), as_tuple=True)[0]
     with clock("update"):
@@ -87,6 +85,25 @@ def grpo_iteration(s: Session, it: int) -> dict:
         **stats,
         **clock.seconds(reward=score.seconds),
     }
+
+
+def advantages(s: Session, values, group, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's advantages ``(b, N)`` and its rows outside bad-reward groups ``(b,)``.
+
+    The credit function sees the values of every rank's rows (gathered; a no-op with one process),
+    so batch-wide statistics such as ``global_std`` are those of the one-process run. Groups with a
+    NaN value where the method needs one are dropped (advantage 0).
+    """
+    per_rank = s.cfg.prompts_per_iter // s.dist.world
+    values_all = s.dist.gather_rows(values)  # (B, N + 1)
+    group_all = s.dist.gather_rows(group + s.dist.rank * per_rank)  # (B,) global group ids
+    bad = torch.isnan(values_all[:, needed_states(s.credit.needs, s.trained)]).any(dim=1)  # (B,)
+    ok = ~torch.isin(group_all, torch.unique(group_all[bad]))
+    adv = torch.zeros(len(group_all), s.cfg.num_steps)  # (B, N)
+    if ok.any():
+        adv[ok] = s.credit.fn(values_all[ok], group_all[ok], s.trained, **s.credit_kwargs)
+    _, lo, hi = rows
+    return adv[lo:hi], ok[lo:hi]
 
 
 class PhaseClock:

@@ -105,3 +105,30 @@ def test_draw_batch_is_the_same_rows_on_every_rank():
     assert torch.equal(parts[1].group, torch.tensor([0, 0, 0, 1, 1, 1]))
     shared = draw_batch(metas, 4, 3, (1, 2, 2), True, seed=5, iteration=2)
     assert torch.equal(shared.x0[0], shared.x0[2]) and not torch.equal(shared.x0[0], shared.x0[3])
+
+
+def test_rollout_rows_draw_the_noise_of_the_whole_batch():
+    n, sigmas, model, cond = 4, make_sigmas(4), Linear(), torch.zeros(2, 1)
+    levels = torch.full((n,), 0.7)
+    x0 = torch.randn(6, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+    group = torch.tensor([0, 0, 0, 1, 1, 1])
+    step = SAMPLERS["flow_sde"]
+    whole = rollout(model, cond, group, x0, sigmas, levels, step, torch.Generator().manual_seed(9))
+    halves = [
+        rollout(
+            model,
+            cond,
+            group[lo:hi],
+            x0[lo:hi],
+            sigmas,
+            levels,
+            step,
+            torch.Generator().manual_seed(9),
+            rows=(6, lo, hi),
+        )
+        for lo, hi in ((0, 3), (3, 6))
+    ]
+    assert torch.equal(torch.cat([h.states for h in halves]), whole.states)  # the 2-rank split = 1 rank
+    assert torch.equal(torch.cat([h.logp for h in halves]), whole.logp)
+    with pytest.raises(ValueError, match="do not match"):
+        rollout(model, cond, group, x0, sigmas, levels, step, torch.Generator(), rows=(6, 0, 3))

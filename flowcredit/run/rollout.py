@@ -33,12 +33,14 @@ def seeded(seed: int, iteration: int, purpose: int) -> torch.Generator:
 @dataclass
 class Batch:
     """One iteration's rows on this rank: ``metas``/``prompts`` of its groups, ``group (b,)`` (index
-    into ``prompts``) and the initial noise ``x0 (b, C, H, W)``."""
+    into ``prompts``), the initial noise ``x0 (b, C, H, W)`` and ``rows = (total, lo, hi)``, where
+    they sit in the batch of all ranks."""
 
     metas: list[dict]
     prompts: list[str]
     group: torch.Tensor
     x0: torch.Tensor
+    rows: tuple[int, int, int]
 
 
 def draw_batch(
@@ -67,7 +69,9 @@ def draw_batch(
     x0 = x0[group_all] if shared_noise else x0
     mine = (group_all >= rank * per_rank) & (group_all < (rank + 1) * per_rank)
     prompts = [m["prompt"] for m in mine_prompts]
-    return Batch(mine_prompts, prompts, group_all[mine] - rank * per_rank, x0[mine])
+    lo = rank * per_rank * group_size
+    rows = (len(group_all), lo, lo + per_rank * group_size)
+    return Batch(mine_prompts, prompts, group_all[mine] - rank * per_rank, x0[mine], rows)
 
 
 def noise_levels(cfg: Config, psi: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,27 +110,45 @@ def chunked_velocity(model, x, sigma, cond, group, batch_size: int) -> torch.Ten
 
 @torch.no_grad()
 def rollout(
-    model, cond, group, x0, sigmas, levels, step_fn, generator, logp_mode="gaussian", batch_size=64
+    model,
+    cond,
+    group,
+    x0,
+    sigmas,
+    levels,
+    step_fn,
+    generator,
+    logp_mode="gaussian",
+    batch_size=64,
+    rows: tuple[int, int, int] | None = None,
 ) -> Rollout:
     """Sample ``B`` trajectories with ``step_fn`` and per-step noise ``levels (N,)`` (0 = ODE step).
 
     Args:
         cond: the model's encoding of the unique prompts; ``group (B,)`` maps each row to its prompt.
         x0: ``(B, C, H, W)`` initial noise. sigmas: ``(N + 1,)``. generator: the SDE noise source.
+        rows: ``(total, lo, hi)``: these ``B`` rows are rows ``lo … hi − 1`` of a batch of ``total``.
+            Every step then draws the noise of all ``total`` rows and keeps this slice, so a row's
+            noise depends on the seed and its global index only, not on how the batch is split
+            over processes. None: ``(B, 0, B)``, the same draws.
     """
     b, n = x0.shape[0], sigmas.numel() - 1
+    total, lo, hi = rows or (b, 0, b)
+    if hi - lo != b:
+        raise ValueError(f"rows {rows} do not match the {b} rows of x0")
     states, logps, stds = [x0.float()], [], []
     x = states[0]
     for i in range(n):
         sigma = sigmas[i].expand(b)
         v = chunked_velocity(model, x, sigma, cond, group, batch_size)
+        noise = torch.randn((total, *x.shape[1:]), generator=generator, dtype=torch.float32)[lo:hi]
         step = step_fn(
             v,
             x,
             sigmas[i].item(),
             sigmas[i + 1].item(),
             float(levels[i]),
-            generator=generator,
+            noise=noise.to(x.device),
             logp_mode=logp_mode,
         )
         x = step.x_next

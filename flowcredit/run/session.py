@@ -154,8 +154,6 @@ def build_session(
             f"config field 'prompts_per_iter' ({cfg.prompts_per_iter}) must be divisible "
             f"by the number of processes ({dist.world})"
         )
-    if cfg.global_std and dist.world > 1:
-        raise UserError("config field 'global_std' is not supported with several processes yet")
     run_dir = prepare_run_dir(cfg, dist, resume)
     if model is None:
         model = load_model(cfg)
