@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -77,3 +78,18 @@ def test_sample_cli(tmp_path, capsys):
     assert cli.main(["sample", "--prompt", "two purple circles", "--n", "1", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "'purple'" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_eval_cli_with_any_reward_and_a_text_prompt_file(tmp_path, capsys):
+    prompts = tmp_path / "free.txt"
+    prompts.write_text("two red circles\na blue square\n")  # plain prompts: no ShapeEval metadata
+    argv = ["--prompts", str(prompts), "--reward", "jpeg_compressibility", "--seeds", "0,1"]
+    argv += ["--samples-per-prompt", "2", "--steps", "2", "--out", str(tmp_path / "out")]
+    assert eval_cmd.main_eval(argv) == 0
+    result = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert result["reward"] == "jpeg_compressibility"
+    soft = result["per_sample"]["0"]["soft"]
+    assert len(soft) == 4 and result["tables"]["0"]["overall"]["soft"] == pytest.approx(sum(soft) / 4)
+    assert (tmp_path / "out" / "grid.png").stat().st_size > 0
+    assert cli.main(["eval", "--prompts", str(prompts)]) == 2  # the ShapeEval table needs its metadata
+    assert "free.txt" in capsys.readouterr().err

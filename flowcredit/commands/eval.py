@@ -1,10 +1,12 @@
 """``flowcredit eval`` and ``flowcredit sample``: ODE samples of any adapter (``--model``), scored on
-ShapeEval prompts or saved as a grid."""
+ShapeEval prompts (``--reward shapes``, per-category table) or with any reward on any prompt file, or
+saved as a grid."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,15 @@ import torch
 
 from flowcredit.config import Config, validate
 from flowcredit.models import load_model
-from flowcredit.run.evaluation import evaluate, image_grid, initial_noise, sample, seed_summary
+from flowcredit.rewards import get_reward
+from flowcredit.run.evaluation import (
+    evaluate,
+    evaluate_reward,
+    image_grid,
+    initial_noise,
+    sample,
+    seed_summary,
+)
 from flowcredit.tasks import shapes
 from flowcredit.tasks.prompt_sets import read_prompts
 
@@ -64,16 +74,20 @@ def _write_eval_outputs(out: Path, result: dict, run: dict, metas: list[dict], k
     picks = np.unique(np.linspace(0, len(metas) - 1, min(n_grid, len(metas))).round()).astype(int)
     rows = torch.tensor([i * k + j for i in picks for j in range(k)])
     captions = [metas[i]["prompt"] for i in picks]
-    image_grid(run["images"][rows], captions, k, marks=[run["strict"][i] for i in rows.tolist()]).save(
-        out / "grid.png"
-    )
+    marks = [run["strict"][i] for i in rows.tolist()]
+    marks = None if any(m != m for m in marks) else marks  # NaN: no pass/fail frames (non-ShapeEval reward)
+    image_grid(run["images"][rows], captions, k, marks=marks).save(out / "grid.png")
     print(f"\nwrote {out / 'eval.json'} and {out / 'grid.png'}")
 
 
 def _eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowcredit eval", description=main_eval.__doc__)
     _common_args(p)
-    p.add_argument("--prompts", default="test", help="'test' (default), 'train' or a JSONL metadata file")
+    p.add_argument(
+        "--prompts", default="test", help="'test' (default), 'train', a JSONL file or a text file of prompts"
+    )
+    p.add_argument("--reward", default="shapes", help="shapes (the ShapeEval table), any reward or a mix")
+    p.add_argument("--reward_options", default="", help="JSON of per-reward options, as the trainer's")
     p.add_argument("--seeds", default="0", help="comma-separated noise seeds, e.g. 0,1,2")
     p.add_argument("--samples-per-prompt", type=int, default=4)
     p.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
@@ -83,16 +97,31 @@ def _eval_parser() -> argparse.ArgumentParser:
 
 
 def main_eval(argv: list[str] | None = None) -> int:
-    """``flowcredit eval``: per-category ShapeEval table, noise floor across seeds, grid PNG and JSON."""
+    """``flowcredit eval``: per-category ShapeEval table (or the mean of any ``--reward``), noise floor
+    across seeds, grid PNG and JSON."""
     args = _eval_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    metas = read_prompts(args.prompts, shapes_metadata=True)[: args.max_prompts]
+    shapes_eval = args.reward == "shapes"  # its per-category table needs ShapeEval metadata
+    metas = read_prompts(args.prompts, shapes_metadata=shapes_eval)[: args.max_prompts]
+    score = evaluate
+    if not shapes_eval:
+        options = json.loads(args.reward_options) if args.reward_options else None
+        score = partial(evaluate_reward, reward=get_reward(args.reward, options))
     model = load_model_from_args(args)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     settings, k = _settings(model, args), args.samples_per_prompt
     steps, shift, cfg = settings["steps"], settings["shift"], settings["cfg"]
     runs = [
-        evaluate(model, metas, seed, k, steps, shift, cfg, return_images=i == 0)
+        score(
+            model,
+            metas,
+            seed=seed,
+            samples_per_prompt=k,
+            num_steps=steps,
+            shift=shift,
+            guidance_scale=cfg,
+            return_images=i == 0,
+        )
         for i, seed in enumerate(seeds)
     ]
     print(
@@ -104,6 +133,7 @@ def main_eval(argv: list[str] | None = None) -> int:
     pairs = list(zip(map(str, seeds), runs, strict=True))
     result = {
         **settings,
+        "reward": args.reward,
         "prompts": args.prompts,
         "samples_per_prompt": k,
         "seeds": seeds,

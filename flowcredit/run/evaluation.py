@@ -100,6 +100,35 @@ def evaluate(
     return out
 
 
+def evaluate_reward(
+    model: FlowModel,
+    metas: list[dict],
+    reward,
+    seed: int = 0,
+    samples_per_prompt: int = 4,
+    num_steps: int | None = None,
+    shift: float | None = None,
+    guidance_scale: float | None = None,
+    chunk: int = 128,
+    return_images: bool = False,
+) -> dict:
+    """:func:`evaluate` for any reward ``reward(images, prompts, metas) -> (M,)`` (a registry reward, a
+    mix, ``pkg.mod:fn``): the same fixed noise and prompt-major order; the table has one row,
+    ``overall`` (``soft`` = the mean reward; ``strict`` is NaN: only ShapeEval has a pass/fail)."""
+    rows = [m for m in metas for _ in range(samples_per_prompt)]
+    prompts = [m["prompt"] for m in rows]
+    noise = initial_noise(len(rows), tuple(model.latent_shape), seed).to(_device(model))
+    images = sample(model, prompts, noise, num_steps, shift, guidance_scale, chunk)
+    scores = reward(images, prompts, rows)  # (P·k,)
+    out = {
+        "table": {"overall": {"n": len(rows), "soft": scores.mean().item(), "strict": math.nan}},
+        "prompts": prompts,
+        "soft": scores.tolist(),
+        "strict": [math.nan] * len(rows),
+    }
+    return {**out, "images": images} if return_images else out
+
+
 def _device(model: FlowModel) -> torch.device:
     return next(model.net.parameters()).device
 
@@ -162,14 +191,9 @@ def _eval_tables(s, metas: list[dict], seed: int, images: bool = False) -> dict:
                 shift=cfg.shift,
                 return_images=images,
             )
-        rows = [m for m in metas for _ in range(k)]
-        noise = initial_noise(len(rows), tuple(s.model.latent_shape), seed)
-        imgs = sample(
-            s.model, [m["prompt"] for m in rows], noise, cfg.num_steps, cfg.shift, None, cfg.batch_size
+        return evaluate_reward(
+            s.model, metas, s.reward, seed, k, cfg.num_steps, cfg.shift, None, cfg.batch_size, images
         )
-        score = s.reward(imgs, [m["prompt"] for m in rows], rows).mean().item()
-        out = {"table": {"overall": {"soft": score, "strict": math.nan}}}
-        return {**out, "images": imgs} if images else out
 
 
 def evaluate_policy(s, tag: str | None) -> dict:
