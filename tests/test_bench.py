@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from flowcredit.commands import bench, bench_report
+from flowcredit.commands import bench, bench_report, bench_stats
 
 
 def test_quick_bench_writes_results_and_is_resumable(tmp_path, monkeypatch):
@@ -88,10 +88,10 @@ def test_ablations_and_budgets_are_planned():
 
 
 def test_confidence_interval_and_mean_curve():
-    mean, half = bench_report.ci95([0.4, 0.5, 0.6])
+    mean, half = bench_stats.ci95([0.4, 0.5, 0.6])
     assert mean == pytest.approx(0.5)
     assert half == pytest.approx(4.302653 * 0.1 / math.sqrt(3), rel=1e-5)  # t_{0.975, 2} · s / √n
-    assert math.isnan(bench_report.ci95([0.3])[1])
+    assert math.isnan(bench_stats.ci95([0.3])[1])
     runs = [
         {
             "points": [
@@ -100,7 +100,7 @@ def test_confidence_interval_and_mean_curve():
         }
         for v in ((0.2, 0.4, 0.6), (0.4, 0.6))  # the second seed stopped early (wall-clock budget)
     ]
-    curve = bench_report.mean_curve(runs)
+    curve = bench_stats.mean_curve(runs)
     assert [p["iteration"] for p in curve] == [0, 5]
     assert [p["soft"] for p in curve] == pytest.approx([0.3, 0.5])
 
@@ -129,7 +129,7 @@ def test_summary_reach_and_equal_seconds_on_the_trained_prompts():
         "dense_grpo": [_run([(0, 0, 0.6), (2, 50, 0.75), (4, 100, 0.8)])] * 2,
     }
     cells = [{"name": n} for n in results]
-    flow, dense = bench_report.summarise(cells, results)
+    flow, dense = bench_stats.summarise(cells, results)
     assert flow["primary"] == "train" and flow["target"] == pytest.approx(0.7)
     assert (dense["reach_iteration"], dense["reach_seconds"]) == (2, 50)
     assert (dense["at_flow_seconds"], dense["at_flow_seconds_iteration"]) == (
@@ -162,7 +162,7 @@ def test_paired_differences_by_hand():
         _seeded(0, [0.6, 0.72], soft=[0.5, 0.45], strict=[0.2, 0.21]),  # held-out harm: −0.05 < −2·0.01
         _seeded(1, [0.6, 0.80], soft=[0.5, 0.49], strict=[0.2, 0.30]),
     ]
-    paired = bench_report.paired_differences({"flow_grpo": base, "tp_grpo": cell})
+    paired = bench_stats.paired_differences({"flow_grpo": base, "tp_grpo": cell})
     p = paired["tp_grpo"]
     assert p["n"] == 3 and p["paired_seeds"] == [2, 0, 1]
     d = [0.01, 0.02, 0.05]  # train: 0.81 − 0.80, 0.72 − 0.70, 0.80 − 0.75
@@ -183,11 +183,11 @@ def test_paired_differences_by_hand():
 def test_paired_differences_use_only_the_seeds_both_ran():
     base = [_seeded(s, [0.6, 0.7 + 0.01 * s]) for s in (0, 1, 2)]
     cell = [_seeded(s, [0.6, 0.8]) for s in (1, 2, 3)]  # no seed 0; seed 3 has no baseline
-    p = bench_report.paired_differences({"flow_grpo": base, "dense_grpo": cell})["dense_grpo"]
+    p = bench_stats.paired_differences({"flow_grpo": base, "dense_grpo": cell})["dense_grpo"]
     assert p["n"] == 2 and p["paired_seeds"] == [1, 2]
     assert p["diff_per_seed"]["train"] == pytest.approx([0.09, 0.08])
     assert p["seeds"] == [1, 2, 3] and len(p["gain"]["train"]) == 3  # own seeds: all three
-    one = bench_report.paired_differences({"flow_grpo": base, "dense_grpo": cell[:1]})["dense_grpo"]
+    one = bench_stats.paired_differences({"flow_grpo": base, "dense_grpo": cell[:1]})["dense_grpo"]
     assert one["n"] == 1 and math.isnan(one["diff"]["train"][1])
 
 
@@ -202,7 +202,7 @@ def _claims(cell, reaches, base_final=0.8):
         "flow_grpo": [_seeded(s, _curve(10, target=base_final)) for s in range(len(reaches))],
         cell: [_seeded(s, _curve(r)) for s, r in enumerate(reaches)],
     }
-    (c,) = bench_report.claims(results, bench_report.summarise([{"name": n} for n in results], results))
+    (c,) = bench_stats.claims(results, bench_stats.summarise([{"name": n} for n in results], results))
     assert c["cell"] == cell
     return c
 
@@ -244,7 +244,7 @@ def test_dense_better_reward_verdicts(diffs, expected):
         "flow_grpo": [_seeded(s, [0.6, 0.7]) for s in range(3)],
         "dense_grpo": [_seeded(s, [0.6, 0.7 + d]) for s, d in enumerate(diffs)],
     }
-    (c,) = bench_report.claims(results, bench_report.summarise([{"name": n} for n in results], results))
+    (c,) = bench_stats.claims(results, bench_stats.summarise([{"name": n} for n in results], results))
     assert c["verdict"] == expected and c["cell"] == "dense_grpo"
     assert ("no difference larger than" in c["evidence"]) == (diffs == (0.01, -0.01, 0.0))
 
@@ -256,7 +256,7 @@ def test_table_has_the_paired_and_claims_sections(tmp_path):
         "dense_grpo": [_seeded(s, [0.6] * 10 + [0.8 + d]) for s, d in enumerate((0.01, 0.02, 0.05))],
     }
     cells = [{"name": n} for n in results]
-    rep = bench_report.report(cells, results)
+    rep = bench_stats.report(cells, results)
     assert set(rep) == {"table", "paired", "variants", "claims"} and len(rep["table"]) == 3
     assert [c["cell"] for c in rep["claims"]] == ["tp_grpo", "dense_grpo"]
     bench_report.write_table(tmp_path, rep["table"], {}, results)
@@ -269,5 +269,5 @@ def test_table_has_the_paired_and_claims_sections(tmp_path):
     bench_report.write_table(tmp_path, rep["table"], {})  # without results (or one seed): no sections
     assert "### Paired" not in (tmp_path / "table.md").read_text()
     one = {k: v[:1] for k, v in results.items()}
-    bench_report.write_table(tmp_path, bench_report.summarise(cells, one), {}, one)
+    bench_report.write_table(tmp_path, bench_stats.summarise(cells, one), {}, one)
     assert "### Paper claims" not in (tmp_path / "table.md").read_text()

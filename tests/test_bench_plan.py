@@ -88,7 +88,7 @@ def test_parallel_runs_and_report_only(tmp_path):
 
 
 def test_variants_are_paired_with_their_own_preset():
-    from flowcredit.commands.bench_report import ablation_differences
+    from flowcredit.commands.bench_stats import ablation_differences
 
     def run(seed, final):
         return {

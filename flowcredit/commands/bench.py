@@ -27,7 +27,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from flowcredit.commands.bench_report import report, write_plots, write_table
+from flowcredit.commands.bench_report import write_plots, write_table
+from flowcredit.commands.bench_stats import report
 from flowcredit.config import COMPARED_PRESETS, Config, demo, load_config, trained_window
 from flowcredit.errors import UserError
 

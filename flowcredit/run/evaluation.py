@@ -66,6 +66,15 @@ def initial_noise(n: int, latent_shape: tuple[int, ...], seed: int) -> torch.Ten
     return torch.randn((n, *latent_shape), generator=torch.Generator().manual_seed(seed))
 
 
+def sample_prompts(model, metas, seed, samples_per_prompt, num_steps, shift, guidance_scale, chunk):
+    """``samples_per_prompt`` ODE samples of every prompt of ``metas`` (prompt-major), initial noise from
+    ``seed``: ``(rows: metas per sample, prompts, images (P·k, 3, H, W))``."""
+    rows = [m for m in metas for _ in range(samples_per_prompt)]
+    prompts = [m["prompt"] for m in rows]
+    noise = initial_noise(len(rows), tuple(model.latent_shape), seed).to(_device(model))
+    return rows, prompts, sample(model, prompts, noise, num_steps, shift, guidance_scale, chunk)
+
+
 def evaluate(
     model: FlowModel,
     metas: list[dict],
@@ -84,10 +93,9 @@ def evaluate(
         ``{"table": evaluation_table (per category + "overall", soft and strict), "prompts": [str],
         "soft": [float], "strict": [float]}`` and ``"images" (P·k, 3, H, W)`` if ``return_images``.
     """
-    rows = [m for m in metas for _ in range(samples_per_prompt)]
-    prompts = [m["prompt"] for m in rows]
-    noise = initial_noise(len(rows), tuple(model.latent_shape), seed).to(_device(model))
-    images = sample(model, prompts, noise, num_steps, shift, guidance_scale, chunk)
+    rows, prompts, images = sample_prompts(
+        model, metas, seed, samples_per_prompt, num_steps, shift, guidance_scale, chunk
+    )
     scores = shapes.score_images(images, rows)
     out = {
         "table": shapes.evaluation_table(scores["soft"], scores["strict"], scores["category"]),
@@ -115,10 +123,9 @@ def evaluate_reward(
     """:func:`evaluate` for any reward ``reward(images, prompts, metas) -> (M,)`` (a registry reward, a
     mix, ``pkg.mod:fn``): the same fixed noise and prompt-major order; the table has one row,
     ``overall`` (``soft`` = the mean reward; ``strict`` is NaN: only ShapeEval has a pass/fail)."""
-    rows = [m for m in metas for _ in range(samples_per_prompt)]
-    prompts = [m["prompt"] for m in rows]
-    noise = initial_noise(len(rows), tuple(model.latent_shape), seed).to(_device(model))
-    images = sample(model, prompts, noise, num_steps, shift, guidance_scale, chunk)
+    rows, prompts, images = sample_prompts(
+        model, metas, seed, samples_per_prompt, num_steps, shift, guidance_scale, chunk
+    )
     scores = reward(images, prompts, rows)  # (P·k,)
     out = {
         "table": {"overall": {"n": len(rows), "soft": scores.mean().item(), "strict": math.nan}},
