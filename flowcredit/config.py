@@ -45,7 +45,8 @@ class Config:
     samplers or presets: ``--imports my_methods --credit my_method``)."""
     # --- model ---
     model: str = "tiny"
-    """Adapter: 'tiny' (built-in ShapeEval model), 'sd3' (SD3/SD3.5), 'flux' (FLUX.1) or 'pkg.mod:load'."""
+    """Adapter: 'tiny' (built-in ShapeEval model), 'sd3' (SD3/SD3.5), 'flux' (FLUX.1), 'qwen_image',
+    'wan' (Wan2.1 text-to-video) or 'pkg.mod:load'."""
     checkpoint: str = "builtin"
     """Base weights: 'builtin' (shipped tiny model), a checkpoint directory, or a diffusers hub id / dir."""
     resolution: int = 0
@@ -156,6 +157,17 @@ class Config:
     """EMA of trainable weights used for evaluation (0: off)."""
     skip_bad_rewards: bool = False
     """Drop groups with NaN/inf rewards (counted) instead of stopping with an error."""
+    # --- video, and evaluation settings apart from training's ---
+    num_frames: int = 0
+    """Frames of a video model's clip (Wan: 4k + 1, e.g. 33 or 81; 0: the model's default)."""
+    reward_frame_stride: int = 1
+    """On video, an image reward scores every k-th frame (0, k, 2k, …) and averages them (1: all)."""
+    eval_num_steps: int = 0
+    """ODE steps of evaluation and of 'flowcredit eval/sample --config' (0: num_steps)."""
+    eval_guidance_scale: float = 0.0
+    """Guidance weight of evaluation (0: the training one, guidance_scale or the model's default)."""
+    eval_reward: str = ""
+    """Evaluation reward: a name, 'pkg.mod:fn' or a mix (empty: the training reward)."""
     # --- evaluation and checkpoints ---
     eval_every: int = 10
     """Evaluate every k iterations (and at the start and end); 0: only start and end."""
@@ -338,7 +350,16 @@ def validate(cfg: Config) -> Config:
         "device",
         "must be 'cpu', 'cuda' or 'cuda:K'",
     )
+    _check_video_and_eval(cfg)
     return cfg
+
+
+def _check_video_and_eval(cfg: Config) -> None:
+    """The video fields and the evaluation settings apart from training's."""
+    _check(cfg.num_frames >= 0, "num_frames", "must be >= 0 (0: the model's default)")
+    _check(cfg.reward_frame_stride >= 1, "reward_frame_stride", "must be >= 1 (1: every frame)")
+    _check(cfg.eval_num_steps >= 0, "eval_num_steps", "must be >= 0 (0: num_steps)")
+    _check(cfg.eval_guidance_scale >= 0, "eval_guidance_scale", "must be >= 0 (0: the training one)")
 
 
 def trained_window(cfg: Config) -> tuple[int, int]:

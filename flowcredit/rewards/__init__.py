@@ -11,6 +11,10 @@ client) are registered lazily: their module, and its transformers / rapidocr imp
 the reward is built. An option the factory does not take, or a required one that is missing, is a
 ``ValueError`` naming the reward and the option. A dotted path names a reward function; if options
 are given for it, it is called as a factory ``fn(**options) -> reward_fn`` instead.
+
+Video: a video model decodes to clips ``(B, F, 3, H, W)``. An image reward then scores every
+``frame_stride``-th frame (frames ``0, k, 2k, …``) and the clip's reward is the mean over those frames;
+a reward marked with :func:`video_reward` receives the whole clip instead.
 """
 
 from __future__ import annotations
@@ -58,6 +62,29 @@ def jpeg_compressibility(images, prompts, metadata):
 def jpeg_incompressibility(images, prompts, metadata):
     """Plus the JPEG size (kB, quality 95). Returns ``(B,)``."""
     return torch.from_numpy(_jpeg_kb(images))
+
+
+def video_reward(fn: RewardFn) -> RewardFn:
+    """Mark ``fn`` as a video reward: it takes whole clips ``(B, F, 3, H, W)`` (not one frame at a time)."""
+    fn.takes_video = True
+    return fn
+
+
+def score_frames(fn: RewardFn, clips: torch.Tensor, prompts, metadata, frame_stride: int) -> torch.Tensor:
+    """An image reward on clips ``(B, F, 3, H, W)``: the mean over frames ``0, k, 2k, …`` (``k =
+    frame_stride``) of ``fn`` on each frame, every frame with its clip's prompt and metadata. ``(B,)``."""
+    b = clips.shape[0]
+    frames = clips[:, ::frame_stride]  # (B, F', 3, H, W)
+    f = frames.shape[1]
+    values = fn(
+        frames.reshape(b * f, *frames.shape[2:]),
+        [p for p in prompts for _ in range(f)],
+        [m for m in metadata for _ in range(f)],
+    )
+    values = torch.as_tensor(values, dtype=torch.float32).reshape(-1).cpu()
+    if values.shape[0] != b * f:
+        raise UserError(f"reward returned {values.shape[0]} values for {b * f} frames ({b} clips × {f})")
+    return values.view(b, f).mean(dim=1)
 
 
 def _import(target: str):
@@ -165,10 +192,15 @@ class Reward:
     Args:
         spec: a name, ``"pkg.mod:fn"``, ``"a=1,b=0.5"`` or ``{name: weight}``.
         options: ``{reward_name: {option: value}}``; each reward's factory is called once with its entry.
+        frame_stride: on video clips ``(B, F, 3, H, W)``, an image reward scores every
+            ``frame_stride``-th frame and averages them (a :func:`video_reward` takes the whole clip).
     """
 
-    def __init__(self, spec: str | dict[str, float], options: dict | None = None):
+    def __init__(self, spec: str | dict[str, float], options: dict | None = None, frame_stride: int = 1):
+        if frame_stride < 1:
+            raise UserError(f"reward frame_stride must be >= 1, got {frame_stride}")
         self.weights = parse_mix(spec)
+        self.frame_stride = frame_stride
         options = dict(options or {})
         for name, opts in options.items():
             if name not in self.weights:
@@ -187,7 +219,10 @@ class Reward:
         total = torch.zeros(images.shape[0], dtype=torch.float32)
         components = {}
         for name, fn in self.fns.items():
-            value = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).reshape(-1).cpu()
+            if images.ndim == 5 and not getattr(fn, "takes_video", False):
+                value = score_frames(fn, images, prompts, metadata, self.frame_stride)
+            else:
+                value = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).reshape(-1).cpu()
             if value.shape[0] != images.shape[0]:
                 raise UserError(
                     f"reward {name!r} returned {value.shape[0]} values for {images.shape[0]} images"
@@ -197,6 +232,7 @@ class Reward:
         return total, components
 
 
-def get_reward(spec: str | dict[str, float], options: dict | None = None) -> Reward:
-    """Resolve a reward spec (name, 'pkg.mod:fn', or weighted mix); ``options`` are per-reward kwargs."""
-    return Reward(spec, options)
+def get_reward(spec: str | dict[str, float], options: dict | None = None, frame_stride: int = 1) -> Reward:
+    """Resolve a reward spec (name, 'pkg.mod:fn', or weighted mix); ``options`` are per-reward kwargs;
+    ``frame_stride``: see :class:`Reward`."""
+    return Reward(spec, options, frame_stride)

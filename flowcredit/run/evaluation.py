@@ -156,50 +156,69 @@ def seed_summary(tables: list[dict]) -> dict:
     return out
 
 
+def frame_strip(clips: torch.Tensor, max_frames: int = 8) -> torch.Tensor:
+    """Video clips ``(B, F, 3, H, W)`` → one image per clip, ``min(F, max_frames)`` frames evenly spread
+    from the first to the last, side by side: ``(B, 3, H, F'·W)``. Images ``(B, 3, H, W)`` pass
+    through unchanged."""
+    if clips.ndim == 4:
+        return clips
+    f = clips.shape[1]
+    picks = torch.linspace(0, f - 1, min(f, max_frames)).round().long().unique()  # (F',)
+    return torch.cat(clips[:, picks].unbind(dim=1), dim=-1)
+
+
 def image_grid(
     images: torch.Tensor, captions: list[str], ncols: int, scale: int = 3, marks: list[float] | None = None
 ) -> Image.Image:
     """Rows of ``ncols`` images, each row headed by its caption; optional green/red frame per image.
 
     Args:
-        images: ``(R·ncols, 3, H, W)`` in [0, 1]; captions: ``R`` strings; marks: ``R·ncols`` values,
-            1 → green frame (strict pass), 0 → red.
+        images: ``(R·ncols, 3, H, W)`` in [0, 1], or video clips ``(R·ncols, F, 3, H, W)`` (each shown as
+            a strip of its frames, :func:`frame_strip`); captions: ``R`` strings; marks: ``R·ncols``
+            values, 1 → green frame (strict pass), 0 → red.
     """
+    images = frame_strip(images)
     n, _, H, W = images.shape
-    rows, cell, pad, text_h = len(captions), H * scale, 4, 14
-    grid = Image.new("RGB", (ncols * (cell + pad) + pad, rows * (cell + pad + text_h) + pad), "white")
+    rows, pad, text_h = len(captions), 4, 14
+    cell_h, cell_w = H * scale, W * scale
+    grid = Image.new("RGB", (ncols * (cell_w + pad) + pad, rows * (cell_h + pad + text_h) + pad), "white")
     draw = ImageDraw.Draw(grid)
     pixels = (images.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
     for i in range(min(n, rows * ncols)):
         r, c = divmod(i, ncols)
-        x, y = pad + c * (cell + pad), pad + r * (cell + pad + text_h) + text_h
+        x, y = pad + c * (cell_w + pad), pad + r * (cell_h + pad + text_h) + text_h
         if c == 0:
             draw.text((pad, y - text_h + 1), captions[r], fill="black")
-        tile = Image.fromarray(pixels[i]).resize((cell, cell), Image.NEAREST)
+        tile = Image.fromarray(pixels[i]).resize((cell_w, cell_h), Image.NEAREST)
         grid.paste(tile, (x, y))
         if marks is not None:
             color = (40, 170, 60) if marks[i] >= 1.0 else (210, 50, 50)
-            draw.rectangle([x - 1, y - 1, x + cell, y + cell], outline=color)
+            draw.rectangle([x - 1, y - 1, x + cell_w, y + cell_h], outline=color)
     return grid
 
 
 def _eval_tables(s, metas: list[dict], seed: int, images: bool = False) -> dict:
-    """ShapeEval tables (``shapes`` reward) or the mean configured reward, ODE sampler, fixed noise."""
+    """ShapeEval tables (``shapes`` reward) or the mean evaluation reward (``eval_reward``, else the
+    training one), ODE sampler with ``eval_num_steps`` / ``eval_guidance_scale`` (0: training's), fixed
+    noise."""
     cfg, k = s.cfg, s.cfg.eval_samples_per_prompt
+    steps, guidance = cfg.eval_num_steps or cfg.num_steps, cfg.eval_guidance_scale or None
     ema = s.ema.applied() if s.ema is not None else contextlib.nullcontext()
     with torch.no_grad(), ema, s.policy.merged():
-        if cfg.reward == "shapes":
+        if (cfg.eval_reward or cfg.reward) == "shapes":
             return evaluate(
                 s.model,
                 metas,
                 seed=seed,
                 samples_per_prompt=k,
-                num_steps=cfg.num_steps,
+                num_steps=steps,
                 shift=cfg.shift,
+                guidance_scale=guidance,
                 return_images=images,
             )
+        reward = s.eval_reward or s.reward
         return evaluate_reward(
-            s.model, metas, s.reward, seed, k, cfg.num_steps, cfg.shift, None, cfg.batch_size, images
+            s.model, metas, reward, seed, k, steps, cfg.shift, guidance, cfg.batch_size, images
         )
 
 

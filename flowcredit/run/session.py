@@ -19,7 +19,7 @@ from flowcredit.advantages import CREDITS, Credit
 from flowcredit.config import Config, credit_options
 from flowcredit.errors import UserError
 from flowcredit.models import FlowModel, check_adapter, load_model
-from flowcredit.rewards import Reward, get_reward
+from flowcredit.rewards import Reward, get_reward, parse_mix
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from flowcredit.run.distributed import Dist
 from flowcredit.run.policy import EMA, Policy
@@ -31,8 +31,9 @@ from flowcredit.tasks.prompt_sets import load_prompt_set
 @dataclass
 class Session:
     """A run's state. ``trained (N,)`` marks the SDE window; ``psi (N,)`` is DenseGRPO's calibrated
-    noise (None: ``noise_level`` on every trained step); ``history`` keeps run-level numbers (noise
-    floors) across resumes."""
+    noise (None: ``noise_level`` on every trained step); ``eval_reward`` is ``cfg.eval_reward``'s
+    (None: evaluation scores with ``reward``); ``history`` keeps run-level numbers (noise floors)
+    across resumes."""
 
     cfg: Config
     run_dir: Path
@@ -47,6 +48,7 @@ class Session:
     train_metas: list[dict]
     eval_metas: list[dict]
     psi: torch.Tensor | None = None
+    eval_reward: Reward | None = None
     start_iteration: int = 0
     history: dict = field(default_factory=dict)
 
@@ -170,6 +172,7 @@ def build_session(
     )
     params = policy.parameters()
     shapes = cfg.reward == "shapes"  # the shapes reward scores from ShapeEval metadata: check it up front
+    eval_shapes = (cfg.eval_reward or cfg.reward) == "shapes"
     s = Session(
         cfg=cfg,
         run_dir=run_dir,
@@ -178,12 +181,12 @@ def build_session(
         policy=policy,
         optimizer=torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
         ema=EMA(params, cfg.ema_decay) if cfg.ema_decay else None,
-        reward=reward
-        or get_reward(cfg.reward, json.loads(cfg.reward_options) if cfg.reward_options else None),
+        reward=reward or build_reward(cfg, cfg.reward),
         sigmas=model.sigmas(cfg.num_steps, cfg.shift),
         trained=noise_levels(cfg, None)[1],
         train_metas=load_prompt_set(cfg.train_prompts, cfg.num_train_prompts, False, shapes),
-        eval_metas=load_prompt_set(cfg.eval_prompts, cfg.num_eval_prompts, True, shapes),
+        eval_metas=load_prompt_set(cfg.eval_prompts, cfg.num_eval_prompts, True, eval_shapes),
+        eval_reward=build_reward(cfg, cfg.eval_reward, named_only=True) if cfg.eval_reward else None,
     )
     ckpt = find_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
@@ -195,6 +198,16 @@ def build_session(
     if s.psi is not None:
         write_psi(s)
     return s
+
+
+def build_reward(cfg: Config, spec: str, named_only: bool = False) -> Reward:
+    """The reward ``spec`` with ``cfg.reward_options`` (``named_only``: only the entries of rewards in
+    ``spec``; the training reward takes them all, so a misspelt name is an error) and
+    ``cfg.reward_frame_stride``."""
+    options = json.loads(cfg.reward_options) if cfg.reward_options else {}
+    if named_only:
+        options = {k: v for k, v in options.items() if k in parse_mix(spec)}
+    return get_reward(spec, options or None, cfg.reward_frame_stride)
 
 
 def read_psi(path: str, num_steps: int) -> torch.Tensor:
