@@ -1,9 +1,12 @@
-"""Tiny random-config SD3 and FLUX.1 pipelines built offline and saved with ``save_pretrained``.
+"""Tiny random-config SD3, FLUX.1, Qwen-Image and Wan2.1 pipelines built offline and saved with
+``save_pretrained``.
 
 Every component is constructed here (word-level tokenizers, 2-layer CLIP / T5 encoders, a 2-level
 VAE, a 1–2 layer transformer), so the adapters load them with ``from_pretrained(local_dir)`` exactly
 as they load a hub checkpoint. Images are 32×32; the VAE halves the side (latents 4×16×16). The VAE
-gets non-trivial ``scaling_factor`` / ``shift_factor`` so decoding must un-scale correctly.
+gets non-trivial ``scaling_factor`` / ``shift_factor`` so decoding must un-scale correctly (the Qwen-Image
+and Wan VAEs: non-trivial ``latents_mean`` / ``latents_std``). Wan clips are ``WAN_FRAMES`` frames of
+``SIZE``² (latents 4×2×4×4: the VAE divides time by 4 and space by 8).
 ``train_config`` makes the tiny one-iteration trainer config of the end-to-end tests.
 """
 
@@ -17,6 +20,8 @@ import torch
 WORDS = "a an the of on in red green blue yellow square circle triangle photo cat dog text sign big small"
 MAX_LEN = 16
 SIZE = 32  # image side in pixels
+WAN_FRAMES = 5  # frames of a tiny Wan clip (4k + 1)
+LATENT_MEAN, LATENT_STD = [0.1, -0.2, 0.05, 0.3], [1.5, 0.8, 1.2, 2.0]
 
 
 def tokenizer():
@@ -168,6 +173,107 @@ def build_flux(directory: str | Path, seed: int = 0, guidance_embeds: bool = Tru
     return Path(directory)
 
 
+def build_qwen_image(directory: str | Path, seed: int = 0) -> Path:
+    """Save a tiny ``QwenImagePipeline`` (2-layer Qwen2.5-VL text encoder, 2×2 packed latents, the
+    checkpoint's dynamic exponential shift with a terminal σ) in ``directory``."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        axes_dims_rope=(8, 4, 4),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=LATENT_MEAN,
+        latents_std=LATENT_STD,
+    )
+    text = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 2}
+    text |= {"vocab_size": len(WORDS.split()) + 4, "bos_token_id": 2, "eos_token_id": 3, "pad_token_id": 0}
+    text |= {"num_key_value_heads": 2, "rope_scaling": {"mrope_section": [2, 2, 4], "rope_type": "default"}}
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=0.9,
+        base_image_seq_len=256,
+        max_image_seq_len=8192,
+        shift_terminal=0.02,
+        time_shift_type="exponential",
+    )
+    pipe = QwenImagePipeline(
+        transformer=transformer,
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=Qwen2_5_VLForConditionalGeneration(config).eval(),
+        tokenizer=tokenizer(),
+    )
+    pipe.save_pretrained(str(directory))
+    return Path(directory)
+
+
+def build_wan(directory: str | Path, seed: int = 0) -> Path:
+    """Save a tiny Wan2.1 text-to-video ``WanPipeline`` (T5 text encoder, 3-D VAE, shift 3) in
+    ``directory``."""
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=8,
+        in_channels=4,
+        out_channels=4,
+        text_dim=64,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    vae = AutoencoderKLWan(
+        base_dim=4,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        latents_mean=LATENT_MEAN,
+        latents_std=LATENT_STD,
+    )
+    pipe = WanPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=_t5(64),
+        tokenizer=tokenizer(),
+    )
+    pipe.save_pretrained(str(directory))
+    return Path(directory)
+
+
 def train_config(preset: str, kind: str, ckpt, prompts, run_dir):
     """A validated one-iteration ``Config`` of ``preset`` for the tiny ``kind`` pipeline in ``ckpt``
     (4 steps, 2 groups of 2, jpeg reward, β = 0.01); skips while the trainer cannot take it yet."""
@@ -179,6 +285,8 @@ def train_config(preset: str, kind: str, ckpt, prompts, run_dir):
     if kind == "flux" and "resolution" not in fields:
         pytest.skip("needs Config.resolution (tiny FLUX's default resolution is 256 px, too slow on CPU)")
     extra = {k: v for k, v in {"resolution": SIZE, "dtype": "float32"}.items() if k in fields}
+    if kind == "wan":
+        extra["num_frames"] = WAN_FRAMES
     cfg = dataclasses.replace(
         PRESETS[preset](),
         model=kind,

@@ -15,6 +15,8 @@ MODELS: dict[str, str] = {
     "tiny": "flowcredit.models.tiny:load_for_training",
     "sd3": "flowcredit.models.sd3:load_for_training",
     "flux": "flowcredit.models.flux:load_for_training",
+    "qwen_image": "flowcredit.models.qwen_image:load_for_training",
+    "wan": "flowcredit.models.wan:load_for_training",
 }
 """Built-in adapters: ``name -> "module:loader"``."""
 
