@@ -1,6 +1,12 @@
 """``flowcredit eval`` and ``flowcredit sample``: ODE samples of any adapter (``--model``), scored on
 ShapeEval prompts (``--reward shapes``, per-category table) or with any reward on any prompt file, or
-saved as a grid."""
+saved as a grid (video clips as frame strips).
+
+``--config FILE`` (YAML or JSON, e.g. a run's ``config.json``) takes the model settings and the
+evaluation settings of a training config: ``model``, ``checkpoint``, ``resolution``, ``dtype``,
+``num_frames``, ``shift``, ``reward_options``, ``reward_frame_stride``, and the steps, guidance and reward
+of the run's own evaluation (``eval_num_steps`` / ``eval_guidance_scale`` / ``eval_reward``, each
+falling back to the training value). A flag given on the command line wins."""
 
 from __future__ import annotations
 
@@ -12,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowcredit.config import Config, validate
+from flowcredit.config import Config, from_dict, validate
+from flowcredit.errors import UserError
 from flowcredit.models import load_model
-from flowcredit.rewards import get_reward
 from flowcredit.run.evaluation import (
     evaluate,
     evaluate_reward,
@@ -23,38 +29,57 @@ from flowcredit.run.evaluation import (
     sample,
     seed_summary,
 )
+from flowcredit.run.session import build_reward
 from flowcredit.tasks import shapes
 from flowcredit.tasks.prompt_sets import read_prompts
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="adapter: tiny (default), sd3, flux or pkg.mod:load")
+    p.add_argument("--config", default=None, help="a YAML/JSON config (e.g. a run's config.json): defaults")
     p.add_argument(
-        "--checkpoint", default="builtin", help="weights: 'builtin' (tiny), a directory or a diffusers hub id"
+        "--model", default=None, help="adapter: tiny (default), sd3, flux, qwen_image, wan, pkg.mod:load"
     )
-    p.add_argument("--resolution", type=int, default=0, help="image size of diffusers models (0: default)")
-    p.add_argument("--dtype", default="auto", help="weights dtype of diffusers models")
+    p.add_argument(
+        "--checkpoint", default=None, help="weights: 'builtin' (tiny), a directory or a diffusers hub id"
+    )
+    p.add_argument("--resolution", type=int, default=None, help="image size of diffusers models (0: default)")
+    p.add_argument("--frames", type=int, default=None, help="frames of a video model's clip (0: default)")
+    p.add_argument("--dtype", default=None, help="weights dtype of diffusers models (default auto)")
     p.add_argument("--steps", type=int, default=None, help="ODE steps (default: the checkpoint's)")
     p.add_argument("--cfg", type=float, default=None, help="guidance scale (default: the checkpoint's)")
     p.add_argument("--shift", type=float, default=None, help="schedule shift (default: the checkpoint's)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
 
 
-def load_model_from_args(args):
-    """The adapter ``--model`` with ``--checkpoint`` weights (built as the trainer builds it)."""
-    cfg = validate(
-        Config(model=args.model, checkpoint=args.checkpoint, resolution=args.resolution, dtype=args.dtype)
-    )
-    return load_model(cfg)
+def config_from_args(args) -> Config:
+    """``--config`` (or the defaults) with the model flags given on the command line, validated."""
+    cfg = Config()
+    if args.config:
+        import yaml
+
+        path = Path(args.config)
+        if not path.is_file():
+            raise UserError(f"--config {args.config!r}: no such file")
+        data = yaml.safe_load(path.read_text()) or {}  # JSON is YAML
+        if not isinstance(data, dict):
+            raise UserError(f"--config {args.config!r}: expected a mapping of config keys")
+        cfg = from_dict(data)
+    flags = {"model": args.model, "checkpoint": args.checkpoint, "resolution": args.resolution}
+    flags |= {"dtype": args.dtype, "num_frames": args.frames}
+    for key, value in flags.items():
+        if value is not None:
+            setattr(cfg, key, value)
+    return validate(cfg)
 
 
-def _settings(model, args) -> dict:
-    return {
-        "checkpoint": str(args.checkpoint),
-        "steps": args.steps or model.num_steps,
-        "cfg": model.guidance_scale if args.cfg is None else args.cfg,
-        "shift": model.shift if args.shift is None else args.shift,
-    }
+def _settings(model, args, cfg: Config) -> dict:
+    """Steps, guidance and shift: the flag, else (with ``--config``) the run's evaluation settings,
+    else the checkpoint's."""
+    from_file = bool(args.config)
+    steps = args.steps or (cfg.eval_num_steps or cfg.num_steps if from_file else model.num_steps)
+    guidance = args.cfg if args.cfg is not None else (cfg.eval_guidance_scale or model.guidance_scale)
+    shift = args.shift if args.shift is not None else (cfg.shift if from_file else model.shift)
+    return {"checkpoint": str(cfg.checkpoint), "steps": steps, "cfg": guidance, "shift": shift}
 
 
 def _format_summary(summary: dict, n: dict) -> str:
@@ -86,8 +111,10 @@ def _eval_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prompts", default="test", help="'test' (default), 'train', a JSONL file or a text file of prompts"
     )
-    p.add_argument("--reward", default="shapes", help="shapes (the ShapeEval table), any reward or a mix")
-    p.add_argument("--reward_options", default="", help="JSON of per-reward options, as the trainer's")
+    p.add_argument(
+        "--reward", default=None, help="shapes (the ShapeEval table; default), any reward or a mix"
+    )
+    p.add_argument("--reward_options", default=None, help="JSON of per-reward options, as the trainer's")
     p.add_argument("--seeds", default="0", help="comma-separated noise seeds, e.g. 0,1,2")
     p.add_argument("--samples-per-prompt", type=int, default=4)
     p.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
@@ -101,16 +128,19 @@ def main_eval(argv: list[str] | None = None) -> int:
     across seeds, grid PNG and JSON."""
     args = _eval_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    shapes_eval = args.reward == "shapes"  # its per-category table needs ShapeEval metadata
+    cfg = config_from_args(args)
+    if args.reward_options is not None:
+        cfg.reward_options = args.reward_options
+    reward = args.reward or ((cfg.eval_reward or cfg.reward) if args.config else "shapes")
+    shapes_eval = reward == "shapes"  # its per-category table needs ShapeEval metadata
     metas = read_prompts(args.prompts, shapes_metadata=shapes_eval)[: args.max_prompts]
     score = evaluate
     if not shapes_eval:
-        options = json.loads(args.reward_options) if args.reward_options else None
-        score = partial(evaluate_reward, reward=get_reward(args.reward, options))
-    model = load_model_from_args(args)
+        score = partial(evaluate_reward, reward=build_reward(cfg, reward, named_only=True))
+    model = load_model(cfg)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    settings, k = _settings(model, args), args.samples_per_prompt
-    steps, shift, cfg = settings["steps"], settings["shift"], settings["cfg"]
+    settings, k = _settings(model, args, cfg), args.samples_per_prompt
+    steps, shift, guidance = settings["steps"], settings["shift"], settings["cfg"]
     runs = [
         score(
             model,
@@ -119,13 +149,13 @@ def main_eval(argv: list[str] | None = None) -> int:
             samples_per_prompt=k,
             num_steps=steps,
             shift=shift,
-            guidance_scale=cfg,
+            guidance_scale=guidance,
             return_images=i == 0,
         )
         for i, seed in enumerate(seeds)
     ]
     print(
-        f"{len(metas)} prompts x {k} samples, {steps} ODE steps, cfg {cfg}, shift {shift}, "
+        f"{len(metas)} prompts x {k} samples, {steps} ODE steps, cfg {guidance}, shift {shift}, "
         f"checkpoint {settings['checkpoint']}"
     )
     for seed, run in zip(seeds, runs, strict=True):
@@ -133,7 +163,7 @@ def main_eval(argv: list[str] | None = None) -> int:
     pairs = list(zip(map(str, seeds), runs, strict=True))
     result = {
         **settings,
-        "reward": args.reward,
+        "reward": reward,
         "prompts": args.prompts,
         "samples_per_prompt": k,
         "seeds": seeds,
@@ -163,8 +193,9 @@ def main_sample(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="PNG file to write")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = load_model_from_args(args)
-    settings = _settings(model, args)
+    cfg = config_from_args(args)
+    model = load_model(cfg)
+    settings = _settings(model, args, cfg)
     noise = initial_noise(args.n, tuple(model.latent_shape), args.seed).to(
         next(model.net.parameters()).device
     )
@@ -173,6 +204,9 @@ def main_sample(argv: list[str] | None = None) -> int:
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images, [args.prompt], args.n, scale=4).save(out)
+    if images.ndim == 5:  # clips: one frame strip per row
+        image_grid(images, [args.prompt] * args.n, 1, scale=4).save(out)
+    else:
+        image_grid(images, [args.prompt], args.n, scale=4).save(out)
     print(f"wrote {out} ({args.n} samples, {settings['steps']} steps, cfg {settings['cfg']})")
     return 0

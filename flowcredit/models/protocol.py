@@ -30,7 +30,8 @@ class FlowModel(Protocol):
     ``guidance_passes``, ``default_lora_targets``, ``save_final``.
 
     Attributes:
-        latent_shape: ``(C, H, W)`` of one latent.
+        latent_shape: ``(C, H, W)`` of one latent (a video model's: ``(C, F, H, W)``; the samplers, values
+            and losses are shape-agnostic).
         guidance_scale: classifier-free guidance weight ``w`` used inside ``velocity``; 1.0 means a
             single conditional pass.
         net: the ``torch.nn.Module`` holding ALL weights (text encoder included), so a trainer can
@@ -66,7 +67,8 @@ class FlowModel(Protocol):
         ...
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Latents ``(B, C, H, W)`` to images ``(B, 3, H', W')`` float32 in [0, 1]."""
+        """Latents ``(B, *latent_shape)`` to images ``(B, 3, H', W')`` float32 in [0, 1]; a video model's
+        ``(B, C, F, H, W)`` to clips ``(B, F', 3, H', W')`` (rewards score them per frame or whole)."""
         ...
 
     def sigmas(self, num_steps: int, shift: float) -> torch.Tensor:

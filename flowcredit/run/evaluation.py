@@ -34,11 +34,12 @@ def sample(
     """Euler ODE sampling from ``noise`` (σ = 1) to images, in chunks of ``chunk`` prompts.
 
     Args:
-        prompts: ``B`` captions. noise: ``(B, C, H, W)`` initial states x_0.
+        prompts: ``B`` captions. noise: ``(B, *latent_shape)`` initial states x_0 (a video model's:
+            ``(B, C, F, H, W)``).
         num_steps, shift, guidance_scale: default to the model's ``num_steps``, ``shift`` and
             ``guidance_scale``.
     Returns:
-        images ``(B, 3, H, W)`` float32 in [0, 1].
+        ``model.decode``'s output: images ``(B, 3, H, W)`` or clips ``(B, F, 3, H, W)``, float32 in [0, 1].
     """
     num_steps = num_steps or model.num_steps
     shift = shift if shift is not None else model.shift
@@ -51,7 +52,7 @@ def sample(
         out = []
         for start in range(0, len(prompts), chunk):
             cond = model.encode(list(prompts[start : start + chunk]))
-            x = noise[start : start + chunk].float()  # (b, C, H, W)
+            x = noise[start : start + chunk].float()  # (b, *latent_shape)
             for i in range(num_steps):
                 sigma = sig[i].expand(x.shape[0])  # (b,)
                 x = ode(model.velocity(x, sigma, cond), x, sigma, sig[i + 1].expand(x.shape[0])).x_next
@@ -176,9 +177,11 @@ def image_grid(
         images: ``(R·ncols, 3, H, W)`` in [0, 1], or video clips ``(R·ncols, F, 3, H, W)`` (each shown as
             a strip of its frames, :func:`frame_strip`); captions: ``R`` strings; marks: ``R·ncols``
             values, 1 → green frame (strict pass), 0 → red.
+        scale: pixel zoom of small images; never past 128 px of height (large images are shown at 1).
     """
     images = frame_strip(images)
     n, _, H, W = images.shape
+    scale = max(1, min(scale, 128 // H))
     rows, pad, text_h = len(captions), 4, 14
     cell_h, cell_w = H * scale, W * scale
     grid = Image.new("RGB", (ncols * (cell_w + pad) + pad, rows * (cell_h + pad + text_h) + pad), "white")
