@@ -1,5 +1,5 @@
-"""Tiny random-config SD3, FLUX.1, Qwen-Image and Wan2.1 pipelines built offline and saved with
-``save_pretrained``.
+"""Tiny random-config SD3, FLUX.1, Qwen-Image, Wan2.1 and Z-Image pipelines built offline and saved
+with ``save_pretrained``.
 
 Every component is constructed here (word-level tokenizers, 2-layer CLIP / T5 encoders, a 2-level
 VAE, a 1–2 layer transformer), so the adapters load them with ``from_pretrained(local_dir)`` exactly
@@ -269,6 +269,49 @@ def build_wan(directory: str | Path, seed: int = 0) -> Path:
         vae=vae,
         text_encoder=_t5(64),
         tokenizer=tokenizer(),
+    )
+    pipe.save_pretrained(str(directory))
+    return Path(directory)
+
+
+def build_z_image(directory: str | Path, seed: int = 0) -> Path:
+    """Save a tiny ``ZImagePipeline`` (2-layer Qwen3 text encoder behind a chat template, the SD3-style
+    VAE, static shift 3) in ``directory``."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    transformer = ZImageTransformer2DModel(
+        in_channels=4,
+        dim=32,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=32,
+        axes_dims=[4, 6, 6],
+        axes_lens=[256, 32, 32],
+    )
+    text = Qwen3Config(
+        vocab_size=len(WORDS.split()) + 4,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
+    tok = tokenizer()
+    tok.chat_template = "{% for m in messages %}user: {{ m['content'] }} {% endfor %}assistant"
+    pipe = ZImagePipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(),
+        text_encoder=Qwen3Model(text).eval(),
+        tokenizer=tok,
     )
     pipe.save_pretrained(str(directory))
     return Path(directory)

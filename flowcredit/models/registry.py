@@ -17,6 +17,7 @@ MODELS: dict[str, str] = {
     "flux": "flowcredit.models.flux:load_for_training",
     "qwen_image": "flowcredit.models.qwen_image:load_for_training",
     "wan": "flowcredit.models.wan:load_for_training",
+    "z_image": "flowcredit.models.z_image:load_for_training",
 }
 """Built-in adapters: ``name -> "module:loader"``."""
 

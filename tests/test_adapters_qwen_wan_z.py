@@ -1,8 +1,9 @@
-"""The Qwen-Image and Wan2.1 text-to-video adapters on tiny random-config pipelines (built once per
-session, offline).
+"""The Qwen-Image, Wan2.1 text-to-video and Z-Image adapters on tiny random-config pipelines (built
+once per session, offline).
 
 Checks: shapes (Wan: clips); sampling with our Euler step and the adapter's schedule reproduces the
-diffusers pipeline (latents and decoded output); true CFG (Qwen-Image: with its norm rescale); the
+diffusers pipeline (latents and decoded output); each model's CFG (Qwen-Image: with its norm rescale;
+Z-Image: ``v_cond + w·(v_cond − v_neg)``); the
 schedule equals ``set_timesteps`` (Wan: also a UniPC flow-sigma scheduler, as the hub checkpoints
 ship); LoRA through ``Policy`` reloads in plain diffusers exactly; every preset trains one iteration.
 """
@@ -20,7 +21,14 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from tiny_diffusers import SIZE, WAN_FRAMES, build_qwen_image, build_wan, train_config  # noqa: E402
+from tiny_diffusers import (  # noqa: E402
+    SIZE,
+    WAN_FRAMES,
+    build_qwen_image,
+    build_wan,
+    build_z_image,
+    train_config,
+)
 
 from flowcredit.config import COMPARED_PRESETS  # noqa: E402
 from flowcredit.models.diffusers_common import LORA_WEIGHTS  # noqa: E402
@@ -28,12 +36,22 @@ from flowcredit.models.flux import pack, unpack  # noqa: E402
 from flowcredit.models.protocol import FlowModel  # noqa: E402
 from flowcredit.models.qwen_image import QwenImageFlowModel  # noqa: E402
 from flowcredit.models.wan import WanFlowModel  # noqa: E402
+from flowcredit.models.z_image import ZImageFlowModel  # noqa: E402
 from flowcredit.run.policy import Policy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 DEVICE = os.environ.get("FLOWCREDIT_TEST_DEVICE", "cpu")
 ATOL = 1e-5 if DEVICE == "cpu" else 2e-3
-KINDS = {"qwen_image": (QwenImageFlowModel, build_qwen_image), "wan": (WanFlowModel, build_wan)}
+KINDS = {
+    "qwen_image": (QwenImageFlowModel, build_qwen_image),
+    "wan": (WanFlowModel, build_wan),
+    "z_image": (ZImageFlowModel, build_z_image),
+}
+LATENTS = {
+    "qwen_image": (4, 8, 8),
+    "wan": (4, 2, 4, 4),
+    "z_image": (4, 16, 16),
+}  # VAE /4, /8 (and time /4), /2
 PROMPTS = ["a red square", "a photo of a cat", "a big blue circle on the sign"]
 
 
@@ -77,8 +95,7 @@ def ode(model, x, sigmas, cond):
 def test_shapes_and_rows(dirs, kind):
     model = load(dirs, kind)
     assert isinstance(model, FlowModel)
-    expected = (4, 2, 4, 4) if kind == "wan" else (4, 8, 8)  # Wan: 5 frames → 2 latent frames, /8; Qwen: /4
-    assert model.latent_shape == expected
+    assert model.latent_shape == LATENTS[kind]
     x, sigma = inputs(model)
     cond = model.encode(PROMPTS)
     v = model.velocity(x, sigma, cond)
@@ -108,6 +125,10 @@ def test_sampling_reproduces_the_diffusers_pipeline(dirs, kind):
     if kind == "wan":
         kw |= dict(guidance_scale=model.guidance_scale, num_frames=WAN_FRAMES, latents=x0)
         run = lambda out: model.pipe(PROMPTS[:2], output_type=out, **kw).frames  # noqa: E731
+        ref, decoded = run("latent").cpu(), run("pt").cpu()
+    elif kind == "z_image":
+        kw |= dict(guidance_scale=model.guidance_scale, latents=x0)
+        run = lambda out: model.pipe(PROMPTS[:2], output_type=out, **kw).images  # noqa: E731
         ref, decoded = run("latent").cpu(), run("pt").cpu()
     else:
         kw |= dict(true_cfg_scale=model.guidance_scale, negative_prompt=" ", latents=pack(x0))
@@ -144,6 +165,19 @@ def test_wan_cfg_uses_the_negative_prompt(dirs):
     assert not torch.allclose(empty.encode(PROMPTS).null.embeds, cond.null.embeds)
 
 
+def test_z_image_cfg_adds_w_to_one(dirs):
+    model = load(dirs, "z_image")
+    x, sigma = inputs(model)
+    cond = model.encode(PROMPTS)
+    assert model.guidance_passes == 2
+    v = model.velocity(x, sigma, cond)
+    model.guidance_scale = 0.0  # the pipeline's "no CFG"
+    assert model.guidance_passes == 1
+    v_cond, v_neg = model.velocity(x, sigma, cond), model.velocity(x, sigma, cond.null.expand(3))
+    assert torch.allclose(v, v_cond + 5.0 * (v_cond - v_neg), atol=1e-5)
+    assert not torch.allclose(v_cond, v_neg, atol=1e-4)
+
+
 @pytest.mark.parametrize("n", [4, 20])
 def test_schedules_match_set_timesteps(dirs, n):
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
@@ -169,6 +203,10 @@ def test_schedules_match_set_timesteps(dirs, n):
         assert s.dtype == torch.float32 and s.shape == (n + 1,)
         assert s[0] == pytest.approx(1.0, abs=1e-5) and s[-1] == 0.0 and (s[1:] < s[:-1]).all()
     assert qwen.sigmas(n)[-2] == pytest.approx(0.02)  # the checkpoint's terminal σ
+    z = load(dirs, "z_image")
+    ref = FlowMatchEulerDiscreteScheduler(shift=3.0)
+    ref.set_timesteps(sigmas=torch.linspace(1.0, 1 / n, n).tolist())  # the pipeline's default sigmas
+    assert torch.equal(z.sigmas(n), ref.sigmas)
 
 
 @pytest.mark.parametrize("kind", KINDS)
