@@ -1,4 +1,5 @@
-"""GPU memory estimates for the Wan2.1-T2V-1.3B and Qwen-Image recipes of docs/gpu.md (no GPU needed).
+"""GPU memory estimates for the Wan2.1-T2V-1.3B, Qwen-Image and Z-Image recipes of docs/gpu.md (no GPU
+needed).
 
 Weights are exact: the real-size configs (the hub checkpoints' ``config.json`` values, written below)
 are built on the ``meta`` device, their parameters counted, times 2 bytes (bf16; VAEs float32). The
@@ -36,6 +37,10 @@ UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers
 UMT5_XXL |= dict(feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
 QWEN_VL_7B_TEXT = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28)
 QWEN_VL_7B_TEXT |= dict(num_attention_heads=28, num_key_value_heads=4)
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36)
+QWEN3_4B |= dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+FLUX_VAE = dict(latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2)
+FLUX_VAE |= dict(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
 QWEN_VL_7B_VISION = dict(
     depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584
 )
@@ -51,6 +56,8 @@ def build_counts() -> dict[str, int]:
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
+        Qwen3Config,
+        Qwen3Model,
         UMT5Config,
         UMT5EncoderModel,
     )
@@ -65,6 +72,9 @@ def build_counts() -> dict[str, int]:
             "qwen_transformer": count(diffusers.QwenImageTransformer2DModel()),
             "qwen_text": count(Qwen2_5_VLForConditionalGeneration(qwen_vl)),
             "qwen_vae": count(diffusers.AutoencoderKLQwenImage()),
+            "z_transformer": count(diffusers.ZImageTransformer2DModel()),
+            "z_text": count(Qwen3Model(Qwen3Config(**QWEN3_4B))),
+            "z_vae": count(diffusers.AutoencoderKL(**FLUX_VAE)),
         }
 
 
@@ -84,6 +94,8 @@ def main() -> None:
         "wan 81×480×832, batch 1 (2 rows with CFG)": ("wan", 1 * 2, 21 * 30 * 52, 30, 1536),
         "qwen 512², batch 2 (4 rows with true CFG)": ("qwen", 2 * 2, 32 * 32 + 128, 60, 3072),
         "qwen 1024², batch 1 (2 rows with true CFG)": ("qwen", 1 * 2, 64 * 64 + 128, 60, 3072),
+        "z_image 512², batch 2 (4 rows with CFG)": ("z", 2 * 2, 32 * 32 + 128, 32, 3840),
+        "z_image 1024², batch 1 (2 rows with CFG)": ("z", 1 * 2, 64 * 64 + 128, 32, 3840),
     }
     for label, (m, rows, tokens, layers, width) in recipes.items():
         weights = (2 * (n[f"{m}_transformer"] + n[f"{m}_text"]) + 4 * n[f"{m}_vae"]) / GIB

@@ -46,7 +46,7 @@ class Config:
     # --- model ---
     model: str = "tiny"
     """Adapter: 'tiny' (built-in ShapeEval model), 'sd3' (SD3/SD3.5), 'flux' (FLUX.1), 'qwen_image',
-    'wan' (Wan2.1 text-to-video) or 'pkg.mod:load'."""
+    'wan' (Wan2.1 text-to-video), 'z_image' or 'pkg.mod:load'."""
     checkpoint: str = "builtin"
     """Base weights: 'builtin' (shipped tiny model), a checkpoint directory, or a diffusers hub id / dir."""
     resolution: int = 0

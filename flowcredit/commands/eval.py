@@ -37,7 +37,9 @@ from flowcredit.tasks.prompt_sets import read_prompts
 def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="a YAML/JSON config (e.g. a run's config.json): defaults")
     p.add_argument(
-        "--model", default=None, help="adapter: tiny (default), sd3, flux, qwen_image, wan, pkg.mod:load"
+        "--model",
+        default=None,
+        help="adapter: tiny (default), a name of flowcredit.models.MODELS, or pkg.mod:load",
     )
     p.add_argument(
         "--checkpoint", default=None, help="weights: 'builtin' (tiny), a directory or a diffusers hub id"

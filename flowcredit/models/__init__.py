@@ -1,7 +1,7 @@
 """Model adapters: the :class:`FlowModel` contract, the registry, the built-in tiny model.
 
-The diffusers adapters (``flowcredit.models.sd3``, ``flowcredit.models.flux``) are imported only when
-chosen (``load_model``), so ``import flowcredit.models`` needs no diffusers.
+The diffusers adapters (``sd3``, ``flux``, ``qwen_image``, ``wan``, ``z_image`` in this package) are
+imported only when chosen (``load_model``), so ``import flowcredit.models`` needs no diffusers.
 """
 
 from flowcredit.models.protocol import Cond, FlowModel, FlowModelBase, check_adapter
