@@ -84,6 +84,11 @@ def test_eval_takes_the_eval_settings_of_a_config_file(pipes, tmp_path):
     assert grid.width > 4 * grid.height // 2  # a row of 5-frame strips, not square tiles
     assert eval_cmd.main_eval([*argv[:-2], "--steps", "3", "--out", str(tmp_path / "o2")]) == 0
     assert json.loads((tmp_path / "o2" / "eval.json").read_text())["steps"] == 3  # a flag wins
+    out = tmp_path / "clips.png"
+    sample_argv = ["--config", str(tmp_path / "config.json"), "--prompt", "a red square", "--n", "2"]
+    assert eval_cmd.main_sample([*sample_argv, "--threads", "1", "--out", str(out)]) == 0
+    strips = Image.open(out)
+    assert strips.width > 2 * strips.height  # two rows, each a strip of 5 frames
 
 
 def test_a_runs_evaluation_uses_the_eval_fields(tmp_path):
