@@ -36,6 +36,12 @@ def _shapes(images, prompts, metadata):
     return shapes_reward(images, prompts, metadata)
 
 
+def _shapes_strict(images, prompts, metadata):
+    from flowcredit.tasks.shapes import shapes_strict_reward
+
+    return shapes_strict_reward(images, prompts, metadata)
+
+
 def _jpeg_kb(images) -> np.ndarray:
     from PIL import Image
 
@@ -90,6 +96,7 @@ def _plain(fn: RewardFn) -> RewardFactory:
 
 REWARDS: dict[str, RewardFactory] = {
     "shapes": _plain(_shapes),
+    "shapes_strict": _plain(_shapes_strict),
     "jpeg_compressibility": _plain(jpeg_compressibility),
     "jpeg_incompressibility": _plain(jpeg_incompressibility),
     "ocr": _Lazy("flowcredit.rewards.ocr:ocr"),
@@ -157,6 +164,15 @@ def parse_mix(spec: str | dict[str, float]) -> dict[str, float]:
         except ValueError:
             raise UserError(f"reward mix {spec!r}: weight of {name!r} is not a number") from None
     return mix
+
+
+SHAPEEVAL_REWARDS = ("shapes", "shapes_strict")
+"""Rewards that score from ShapeEval metadata (a run with one of them evaluates with the ShapeEval table)."""
+
+
+def uses_shapeeval(spec: str | dict[str, float]) -> bool:
+    """Whether the reward ``spec`` (a name or a mix) includes a ShapeEval reward."""
+    return any(name in SHAPEEVAL_REWARDS for name in parse_mix(spec))
 
 
 class Reward:

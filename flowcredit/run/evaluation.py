@@ -17,6 +17,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from flowcredit.models.protocol import FlowModel
+from flowcredit.rewards import uses_shapeeval
 from flowcredit.sde import SAMPLERS
 from flowcredit.tasks import shapes
 
@@ -188,7 +189,7 @@ def _eval_tables(s, metas: list[dict], seed: int, images: bool = False) -> dict:
     cfg, k = s.cfg, s.cfg.eval_samples_per_prompt
     ema = s.ema.applied() if s.ema is not None else contextlib.nullcontext()
     with torch.no_grad(), ema, s.policy.merged():
-        if cfg.reward == "shapes":
+        if uses_shapeeval(cfg.reward):
             return evaluate(
                 s.model,
                 metas,
