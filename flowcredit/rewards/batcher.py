@@ -15,6 +15,7 @@ import asyncio
 import math
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,6 +70,9 @@ class Batcher:
         self._queue: deque[_Slice] = deque()
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
+        # one thread makes every call: the reward is never entered twice at once, and its memory is
+        # reused from one call to the next (a pool would hold a few calls' worth, one per thread)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="reward")
 
     def start(self) -> None:
         """Start the worker task (in the running event loop)."""
@@ -78,6 +82,7 @@ class Batcher:
         if self._worker is not None:
             self._worker.cancel()
             await asyncio.gather(self._worker, return_exceptions=True)
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def score(self, request: ScoreRequest) -> list[float | None]:
         """Scores of the request's images; raises what the reward (or decoding) raised for them."""
@@ -140,7 +145,7 @@ class Batcher:
         if not batch:
             return
         try:
-            results = await asyncio.to_thread(self._call, batch)
+            results = await asyncio.get_running_loop().run_in_executor(self._thread, self._call, batch)
         except Exception as exc:
             requests = {id(s.pending) for s in batch}
             if len(requests) == 1:

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 TOKEN_ENV = "FLOWCREDIT_REWARD_TOKEN"
-_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{4,}\b")
+_REPR_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # "<_io.BytesIO object at 0x7f…>"
+_ADDRESS = re.compile(r"\b0x[0-9a-fA-F]{8,}\b")
 
 
 class ServeError(Exception):
@@ -38,7 +39,7 @@ def public_message(text: str, secrets: tuple[str, ...] = ()) -> str:
     for secret in secrets:
         if len(secret) >= 8:
             text = text.replace(secret, "***")
-    text = _ADDRESS.sub("0x…", text)
+    text = _ADDRESS.sub("(address)", _REPR_ADDRESS.sub("", text))
     return text if len(text) <= 500 else text[:497] + "..."
 
 
