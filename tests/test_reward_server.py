@@ -252,14 +252,19 @@ def test_rewards_are_addressed_by_name_and_requests_split_by_max_batch(served):
 
 
 def test_a_bad_request_does_not_fail_the_one_it_was_batched_with(served):
+    """While a first request holds the reward, a good and a bad one queue up and share the next call;
+    it fails, so each is scored alone: the good one gets its score, the bad one its 422."""
     probe, port = served
-    probe.sleep = 0.05
+    probe.sleep = 0.2
     good_images, good = payload(1, prompt="fine")
     _, bad = payload(1, prompt="reject me")
-    with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(request, port, body=payload(1)[1])
+        time.sleep(0.1)
         answers = list(pool.map(lambda b: request(port, body=b), [good, bad]))
+        assert first.result()[0] == 200
     assert answers[0] == (200, {"rewards": pytest.approx(expected(good_images, ["fine"]))})
-    assert answers[1][0] == 422
+    assert answers[1][0] == 422 and probe.batches == [1, 2, 1, 1]
 
 
 @pytest.mark.parametrize(

@@ -27,7 +27,7 @@ class Limits:
 
     max_body_bytes: int = 64 << 20  # largest request body
     max_batch: int = 16  # most images per reward call (bounds decoded pixels in memory)
-    max_wait_ms: float = 10.0  # longest an image waits for others to share its reward call
+    max_wait_ms: float = 50.0  # longest an image waits for others to share its reward call
     max_pixels: int = 2048 * 2048  # largest image, checked in the PNG header before decoding
     timeout_s: float = 120.0  # total time for one request: queueing, reading the body and scoring
     max_concurrency: int = 16  # requests read, parsed and scored at once; others wait for a slot

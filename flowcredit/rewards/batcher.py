@@ -1,8 +1,8 @@
 """Dynamic batching for the reward server: concurrent requests merged into one reward call.
 
 Each served reward has one :class:`Batcher`, whose worker task makes one reward call at a time (a GPU
-model is never entered twice at once). The worker waits until ``max_batch`` images of one size are
-queued or the oldest queued image has waited ``max_wait_s``, then takes up to ``max_batch`` images,
+model is never entered twice at once). The worker waits until enough images of one size are queued
+or ``max_wait_s`` has passed (see :meth:`Batcher._collect`), then takes up to ``max_batch`` images,
 splitting a request across calls when it does not fit, decodes their PNGs (only this batch's pixels
 are ever in memory), calls the reward in a thread and hands each caller its own scores. Requests with
 images of another size wait for a later call. When a merged call fails, each request in it is scored
@@ -67,6 +67,7 @@ class Batcher:
     def __init__(self, reward_fn: Callable, max_batch: int, max_wait_s: float):
         self.reward_fn, self.max_batch, self.max_wait_s = reward_fn, max_batch, max_wait_s
         self.calls = 0  # reward calls made, for /health and tests
+        self._last_batch = 0  # images in the last call
         self._queue: deque[_Slice] = deque()
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
@@ -102,8 +103,15 @@ class Batcher:
         self._queue = deque(s for s in self._queue if not s.pending.future.done())
 
     async def _collect(self) -> list[_Slice]:
-        """Wait for work, then up to ``max_batch`` images of the oldest request's size."""
+        """Wait for work, then take up to ``max_batch`` images of the oldest request's size.
+
+        The wait ends when ``max_batch`` images are queued, or as many as the last call took (steady
+        clients that came back together go at once), or ``max_wait_s`` after the oldest image arrived
+        or the reward became free, whichever is later (clients that came back apart, some while the
+        reward was busy, are brought together again instead of taking turns).
+        """
         loop = asyncio.get_running_loop()
+        free_since = loop.time()
         while True:
             self._drop_abandoned()
             if self._queue:
@@ -111,8 +119,9 @@ class Batcher:
             self._arrived.clear()
             await self._arrived.wait()
         size = self._queue[0].pending.request.size
-        deadline = self._queue[0].since + self.max_wait_s
-        while sum(s.stop - s.start for s in self._queue if s.pending.request.size == size) < self.max_batch:
+        deadline = max(self._queue[0].since, free_since) + self.max_wait_s
+        enough = min(self.max_batch, self._last_batch or self.max_batch)
+        while sum(s.stop - s.start for s in self._queue if s.pending.request.size == size) < enough:
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
@@ -132,6 +141,7 @@ class Batcher:
                 rest.appendleft(_Slice(s.pending, stop, s.stop, s.since))
             room -= stop - s.start
         self._queue = rest
+        self._last_batch = self.max_batch - room
         return batch
 
     async def _run(self) -> None:
