@@ -448,3 +448,16 @@ def test_cli_serves_two_rewards_and_bounds_memory_by_the_batch(monkeypatch):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_missing_serving_stack_names_the_extra(monkeypatch):
+    from flowcredit.errors import UserError
+    from flowcredit.rewards.server import create_app
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    with pytest.raises(UserError, match=r"'uvicorn'.*pip install 'flowcredit\[serve\]'"):
+        create_app({"probe": Probe()})
+    monkeypatch.setitem(sys.modules, "httpx2", None)
+    remote = get_reward("remote", {"remote": {"url": "http://127.0.0.1:9"}})  # builds without it
+    with pytest.raises(UserError, match=r"httpx2.*pip install 'flowcredit\[serve\]'"):
+        remote(torch.zeros(1, 3, 8, 8), ["a"], [{}])
