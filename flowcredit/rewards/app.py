@@ -78,6 +78,7 @@ class RewardService:
         self.slots = asyncio.Semaphore(self.limits.max_concurrency)
 
     async def stop(self) -> None:
+        """Stop the batchers' workers (at shutdown)."""
         for batcher in self.batchers.values():
             await batcher.stop()
 
@@ -97,6 +98,7 @@ class RewardService:
             raise ServeError(401, "missing or wrong bearer token")
 
     def batcher(self, name: str) -> Batcher:
+        """The batcher of reward ``name``; 404 if this server does not serve it."""
         if name not in self.batchers:
             raise ServeError(404, f"no reward {name!r} here; served: {list(self.fns)}")
         return self.batchers[name]
@@ -129,6 +131,7 @@ class RewardService:
 
 
 async def _read_body(request, n: int) -> bytearray:
+    """The body, which must be exactly the ``n`` bytes Content-Length announced; 400 otherwise."""
     from starlette.requests import ClientDisconnect
 
     body = bytearray()
@@ -151,7 +154,7 @@ async def _score(service: RewardService, request, name: str) -> list:
     n = service.body_length(request.headers)
     limits, phase = service.limits, "waiting for a free slot"
     try:
-        with anyio.fail_after(limits.timeout_s):
+        with anyio.fail_after(limits.timeout_s) as deadline:
             async with service.slots:
                 phase = "reading the body"
                 body = await _read_body(request, n)
@@ -160,6 +163,8 @@ async def _score(service: RewardService, request, name: str) -> list:
                 del body
                 return await batcher.score(parsed)
     except TimeoutError:
+        if not deadline.cancel_called:  # raised by the reward itself: its failure, not ours
+            raise
         status = 408 if phase == "reading the body" else 503
         raise ServeError(status, f"request took over timeout_s={limits.timeout_s} ({phase})") from None
 
