@@ -197,9 +197,11 @@ def test_probe_wrong_number_of_scores_is_500_and_rejected_input_is_422(served):
     _, bad = payload(1, prompt="reject me")
     status, data = request(port, path="/score/probe", body=bad)
     assert status == 422 and "rejected the input" in data["error"] and "no quotes" in data["error"]
-    probe.fail_next = [RuntimeError("boom")]
+    probe.fail_next = [RuntimeError("boom"), TimeoutError("upstream")]
     status, data = request(port, body=body)
     assert status == 500 and "RuntimeError: boom" in data["error"]
+    status, data = request(port, body=body)  # the reward's own timeout is not the request deadline
+    assert status == 500 and "TimeoutError: upstream" in data["error"]
     assert request(port, body=body)[0] == 200
 
 
