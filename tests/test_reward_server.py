@@ -1,64 +1,27 @@
-"""Reward server and ``remote`` client on loopback: rewards/server.py, app.py, batcher.py, remote.py.
+"""Reward server on loopback: rewards/server.py, app.py, batcher.py, wire.py.
 
 Servers run in a background thread on an ephemeral loopback port. The probes of issue 13 each have a
-test here (the ``test_probe_*`` ones), which the old http.server-based server failed.
+test (the ``test_probe_*`` ones here and in test_reward_client.py), which the old http.server-based
+server and urllib client failed.
 """
 
 import base64
-import http.client
-import io
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
+from reward_serving import TOKEN, Probe, expected, payload, probe_server, raw_exchange, request
 
-from flowcredit.rewards import REWARDS, get_reward
-from flowcredit.rewards.remote import RemoteRewardError, encode_png
-from flowcredit.rewards.server import Limits, main, start_server
-
-TOKEN = "s3cret-token-0123"
-LIMITS = Limits(max_body_bytes=1 << 20, max_batch=4, max_wait_ms=20, max_pixels=64 * 64, timeout_s=10)
-
-
-class Probe:
-    """brightness + len(prompt) + metadata["bonus"]; records batch sizes; can fail or sleep on demand."""
-
-    def __init__(self):
-        self.batches, self.fail_next, self.sleep = [], [], 0.0
-
-    def __call__(self, images, prompts, metadata):
-        self.batches.append(len(prompts))
-        time.sleep(self.sleep)
-        if self.fail_next:
-            raise self.fail_next.pop(0)
-        if "reject me" in prompts:
-            raise ValueError("prompt 'reject me' has no quotes")
-        bonus = torch.tensor([float(m.get("bonus", 0)) for m in metadata])
-        return images.mean(dim=(1, 2, 3)) + torch.tensor([float(len(p)) for p in prompts]) + bonus
-
-
-def _short_factory():
-    return lambda images, prompts, metadata: torch.zeros(1)  # a bug: one score for any batch
+from flowcredit.rewards import get_reward
+from flowcredit.rewards.server import Limits, start_server
 
 
 @pytest.fixture(scope="module")
 def server():
-    """One server for the module: ``probe`` (default), ``jpeg_compressibility`` and a broken ``short``."""
-    REWARDS["short"] = _short_factory
-    probe = Probe()
-    rewards = {"probe": probe, "jpeg_compressibility": get_reward("jpeg_compressibility")}
-    rewards["short"] = get_reward("short")
-    with start_server(rewards, token=TOKEN, limits=LIMITS) as running:
-        running.probe = probe
-        running.port = int(running.url.rsplit(":", 1)[1])
+    with probe_server() as running:
         yield running
-    del REWARDS["short"]
 
 
 @pytest.fixture
@@ -66,39 +29,6 @@ def served(server):
     """The module's server with a fresh probe state: ``(probe, port)``."""
     server.probe.__init__()
     return server.probe, server.port
-
-
-def request(port, method="POST", path="/score", body=None, headers=None, token=TOKEN):
-    """One raw request → ``(status, decoded JSON or text)``."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
-    hdrs = {"Authorization": f"Bearer {token}"} if token else {}
-    hdrs.update(headers or {})
-    if isinstance(body, dict):
-        body = json.dumps(body).encode()
-    conn.request(method, path, body=body, headers=hdrs)
-    resp = conn.getresponse()
-    raw = resp.read()
-    conn.close()
-    try:
-        return resp.status, json.loads(raw or b"null")
-    except ValueError:
-        return resp.status, raw.decode()
-
-
-def payload(n=3, size=16, prompt="ab"):
-    images = torch.rand(n, 3, size, size, generator=torch.Generator().manual_seed(n))
-    return images, {"images": [encode_png(x) for x in images], "prompts": [prompt] * n, "metadata": [{}] * n}
-
-
-def expected(images, prompts):
-    quantised = images.mul(255).round().div(255)  # what the PNG carries
-    return (quantised.mean((1, 2, 3)) + torch.tensor([float(len(p)) for p in prompts])).tolist()
-
-
-def raw_exchange(port, data: bytes, timeout=10.0) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(data)
-        return s.recv(4096)
 
 
 # --- the probes of issue 13 ---------------------------------------------------------------------
@@ -111,18 +41,6 @@ def test_probe_oversize_body_gets_its_413(served):
     status, data = request(port, path="/score/probe", body=b"x" * 10_500_000)
     assert status == 413 and "max_body_bytes" in data["error"] and time.monotonic() - start < 5
     assert request(port, body=payload(1)[1])[0] == 200
-
-
-def test_probe_client_sends_a_batch_larger_than_the_body_limit():
-    """24 images over a 20 kB body limit: the client chunks by /health's limits, 4 images a call."""
-    probe = Probe()
-    with start_server({"probe": probe}, limits=Limits(max_body_bytes=20_000, max_batch=4)) as running:
-        remote = get_reward("remote", {"remote": {"url": running.url}})
-        images = torch.rand(24, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-        prompts = [f"p{i}" * (i % 3 + 1) for i in range(24)]
-        got = remote(images, prompts, [{} for _ in prompts])
-    assert got.tolist() == pytest.approx(expected(images, prompts))
-    assert sum(probe.batches) == 24 and max(probe.batches) <= 4
 
 
 def test_probe_concurrent_requests_share_reward_calls(served):
@@ -326,140 +244,3 @@ def test_missing_content_length_and_chunked_are_refused(served):
     assert b" 411 " in raw_exchange(port, no_length)[:20]
     chunked = b"POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n" + auth + b"\r\n0\r\n\r\n"
     assert b" 411 " in raw_exchange(port, chunked)[:20]
-
-
-# --- the client -----------------------------------------------------------------------------------
-
-
-def test_round_trip_matches_local_reward(server):
-    remote = get_reward(
-        "remote", {"remote": {"url": server.url, "token": TOKEN, "reward": "jpeg_compressibility"}}
-    )
-    images = torch.rand(3, 3, 24, 24, generator=torch.Generator().manual_seed(2))
-    got = remote(images, ["a", "b", "c"], [{"k": 1}, {}, {}])
-    local = get_reward("jpeg_compressibility")
-    assert torch.equal(got, local(images.mul(255).round().div(255), ["a", "b", "c"], [{}, {}, {}]))
-
-
-def test_client_retries_5xx_then_succeeds_and_sends_metadata(served, server):
-    probe, _ = served
-    probe.fail_next = [RuntimeError("transient"), RuntimeError("transient")]
-    remote = get_reward("remote", {"remote": {"url": server.url + "/", "token": TOKEN, "backoff": 0.01}})
-    assert remote(torch.zeros(1, 3, 8, 8), ["abc"], [{"bonus": 10}]).tolist() == [13.0]
-    assert probe.batches == [1, 1, 1]
-
-
-def test_client_does_not_retry_4xx(served, server):
-    probe, _ = served
-    remote = get_reward("remote", {"remote": {"url": server.url, "token": "bad-token-0123", "backoff": 5}})
-    start = time.monotonic()
-    with pytest.raises(RemoteRewardError, match=rf"{server.url}/score refused the request: HTTP 401"):
-        remote(torch.zeros(1, 3, 8, 8), ["a"], [{}])
-    assert time.monotonic() - start < 2.0 and probe.batches == []
-    unknown = get_reward("remote", {"remote": {"url": server.url, "token": TOKEN, "reward": "nope"}})
-    with pytest.raises(RemoteRewardError, match=r"serves \['probe'.*not reward 'nope'"):
-        unknown(torch.zeros(1, 3, 8, 8), ["a"], [{}])
-
-
-def test_client_names_url_after_last_try():
-    with socket.socket() as s:  # a port with nobody listening
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    remote = get_reward(
-        "remote", {"remote": {"url": f"http://127.0.0.1:{port}", "retries": 2, "backoff": 0.01}}
-    )
-    with pytest.raises(RemoteRewardError, match=rf"127.0.0.1:{port}/health failed after 3 tries.*Connect"):
-        remote(torch.zeros(1, 3, 8, 8), ["a"], [{}])
-
-
-def test_probe_client_total_time_is_bounded():
-    """A server that accepts and never answers: the call fails at its 1 s total timeout, not after
-    (retries + 1) × timeout plus backoff as before."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(16)
-        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        remote = get_reward("remote", {"remote": {"url": url, "timeout": 1.0, "retries": 3, "backoff": 0.5}})
-        start = time.monotonic()
-        with pytest.raises(RemoteRewardError, match=rf"{url}/health.*within timeout=1.0s"):
-            remote(torch.zeros(1, 3, 8, 8), ["a"], [{}])
-        assert time.monotonic() - start < 1.6
-
-
-def test_client_rejects_non_json_metadata_and_bad_options():
-    remote = get_reward("remote", {"remote": {"url": "http://127.0.0.1:9"}})
-    with pytest.raises(ValueError, match="metadata must be plain JSON"):
-        remote(torch.zeros(1, 3, 8, 8), ["a"], [{"x": object()}])
-    with pytest.raises(ValueError, match="'url'"):
-        get_reward("remote", {"remote": {"url": "file:///etc/passwd"}})
-    with pytest.raises(ValueError, match="in_flight"):
-        get_reward("remote", {"remote": {"url": "http://127.0.0.1:9", "in_flight": 0}})
-
-
-def test_png_encoding_is_exact_for_8bit_images():
-    import numpy as np
-    from PIL import Image
-
-    x = torch.randint(0, 256, (3, 5, 7)).float() / 255
-    arr = torch.from_numpy(np.array(Image.open(io.BytesIO(base64.b64decode(encode_png(x))))))
-    assert torch.equal(arr.permute(2, 0, 1).float() / 255, x)
-
-
-# --- the command line -----------------------------------------------------------------------------
-
-
-def test_main_refuses_public_host_without_token_and_bad_options(monkeypatch, capsys):
-    monkeypatch.delenv("FLOWCREDIT_REWARD_TOKEN", raising=False)
-    assert main(["--reward", "jpeg_compressibility", "--host", "0.0.0.0"]) == 2
-    assert "without a token" in capsys.readouterr().err
-    assert main(["--reward", "shapes", "--reward-options", "{bad"]) == 2
-    with pytest.raises(ValueError, match="no --reward uses"):
-        main(["--reward", "shapes", "--reward-options", '{"ocr": {}}'])
-
-
-def _peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads peak memory from /proc")
-def test_cli_serves_two_rewards_and_bounds_memory_by_the_batch(monkeypatch):
-    """128 images of 512² in one request to ``--max-batch 4``: peak memory stays that of one batch,
-    not of the request (the old server kept every decoded image, ~1 MiB each: +120 MiB here)."""
-    monkeypatch.setenv("FLOWCREDIT_REWARD_TOKEN", TOKEN)  # read by the server and by the client
-    cmd = [sys.executable, "-m", "flowcredit", "serve-reward", "--reward", "jpeg_compressibility"]
-    cmd += ["--reward", "jpeg_incompressibility", "--port", "0", "--max-batch", "4", "--quiet"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peaks = []
-    try:
-        line = proc.stdout.readline()
-        assert "on http://127.0.0.1:" in line, proc.stderr.read()
-        url = line.split(" on ")[1].split()[0]
-        options = {"url": url, "reward": "jpeg_incompressibility"}
-        assert get_reward("remote", {"remote": options})(torch.zeros(1, 3, 8, 8), ["a"], [{}]).item() > 0
-        flat = encode_png(torch.full((3, 512, 512), 0.5))  # tiny PNG, 1 MiB of pixels once decoded
-        port = int(url.rsplit(":", 1)[1])
-        for n in (4, 128):  # one full batch, then 32 of them in one request
-            status, data = request(port, body={"images": [flat] * n, "prompts": ["a"] * n})
-            assert status == 200 and len(data["rewards"]) == n
-            peaks.append(_peak_rss_mib(proc.pid))
-        assert peaks[1] - peaks[0] < 16, peaks
-        monkeypatch.delenv("FLOWCREDIT_REWARD_TOKEN")
-        with pytest.raises(RemoteRewardError, match="401"):
-            get_reward("remote", {"remote": {"url": url}})(torch.zeros(1, 3, 8, 8), ["a"], [{}])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def test_missing_serving_stack_names_the_extra(monkeypatch):
-    from flowcredit.errors import UserError
-    from flowcredit.rewards.server import create_app
-
-    monkeypatch.setitem(sys.modules, "uvicorn", None)
-    with pytest.raises(UserError, match=r"'uvicorn'.*pip install 'flowcredit\[serve\]'"):
-        create_app({"probe": Probe()})
-    monkeypatch.setitem(sys.modules, "httpx2", None)
-    remote = get_reward("remote", {"remote": {"url": "http://127.0.0.1:9"}})  # builds without it
-    with pytest.raises(UserError, match=r"httpx2.*pip install 'flowcredit\[serve\]'"):
-        remote(torch.zeros(1, 3, 8, 8), ["a"], [{}])
