@@ -26,6 +26,11 @@ import torch
 
 from flowcredit.errors import UserError
 
+
+class RewardOutputError(UserError):
+    """A reward returned the wrong number of scores (a bug in the reward, not in its input)."""
+
+
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
 RewardFactory = Callable[..., RewardFn]
 
@@ -205,7 +210,7 @@ class Reward:
         for name, fn in self.fns.items():
             value = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).reshape(-1).cpu()
             if value.shape[0] != images.shape[0]:
-                raise UserError(
+                raise RewardOutputError(
                     f"reward {name!r} returned {value.shape[0]} values for {images.shape[0]} images"
                 )
             components[name] = value
