@@ -20,6 +20,7 @@ from flowcredit.errors import ConfigError, UserError
 from flowcredit.losses import KL_MODES
 from flowcredit.models.registry import MODELS, is_model_spec
 from flowcredit.sde import LOGP_MODES, SAMPLER_ENTRIES
+from flowcredit.tasks.prompt_sets import PROMPT_WEIGHTS
 from flowcredit.values import ESTIMATORS
 
 TRAIN_PARAMS = ("lora", "text", "lora+text", "all")
@@ -64,6 +65,8 @@ class Config:
     """Training prompts: a ShapeEval split ('train', 'test') or a JSONL file."""
     num_train_prompts: int = 0
     """Use only the first k training prompts (0: all)."""
+    prompt_weights: str = "uniform"
+    """How training prompts are drawn: 'uniform' (every prompt alike) or 'category' (every category alike)."""
     eval_prompts: str = "test"
     """Held-out evaluation prompts: a split or a JSONL file."""
     num_eval_prompts: int = 16
@@ -302,6 +305,11 @@ def validate(cfg: Config) -> Config:
     _check(cfg.kl_mode in KL_MODES, "kl_mode", f"{cfg.kl_mode!r} is not one of {KL_MODES}")
     _check(cfg.train_params in TRAIN_PARAMS, "train_params", f"{cfg.train_params!r} not in {TRAIN_PARAMS}")
     _check(cfg.tp_balance in ("group", "none"), "tp_balance", "must be 'group' or 'none'")
+    _check(
+        cfg.prompt_weights in PROMPT_WEIGHTS,
+        "prompt_weights",
+        f"{cfg.prompt_weights!r} is not one of {sorted(PROMPT_WEIGHTS)}",
+    )
     credit_options(cfg)
     _check(cfg.num_steps >= 2, "num_steps", "must be >= 2")
     _check(cfg.group_size >= 2, "group_size", "GRPO needs at least 2 samples per prompt")
@@ -433,6 +441,33 @@ def demo() -> Config:
     )
 
 
+def skill() -> Config:
+    """Held-out skill on the whole ShapeEval ``train`` split (docs/recipes.md, "Skill, not prompts"):
+    TP-GRPO credit (CPS α = 0.7 on the 5 layout steps 0–4), prompts drawn category-balanced, the reward
+    half soft and half strict (a surplus object fails the image), lr 1e-4 with a KL to the reference
+    (β = 0.04, Flow-GRPO's form), every held-out prompt evaluated."""
+    return Config(
+        sampler="cps",
+        noise_level=0.7,
+        credit="turning_point",
+        estimator="ode_remaining",
+        train_prompts="train",
+        prompt_weights="category",
+        reward="shapes=0.5,shapes_strict=0.5",
+        prompts_per_iter=4,
+        group_size=12,
+        window_size=5,
+        steps_per_update=1,
+        lr=1e-4,
+        beta=0.04,
+        kl_mode="flow_grpo",
+        iterations=100,
+        eval_every=25,
+        num_eval_prompts=0,
+        eval_samples_per_prompt=4,
+    )
+
+
 PRESETS: dict[str, Callable[[], Config]] = {}
 """Every preset by name (``--preset``)."""
 
@@ -454,6 +489,7 @@ register_preset("flow_grpo", flow_grpo)
 register_preset("dense_grpo", dense_grpo)
 register_preset("stepwise_grpo", stepwise_grpo)
 register_preset("tp_grpo", tp_grpo)
+register_preset("skill", skill, compared=False)
 
 
 def load_config(preset: str = "flow_grpo", yaml_path: str | None = None, overrides: list[str] | None = None):

@@ -107,6 +107,21 @@ def test_draw_batch_is_the_same_rows_on_every_rank():
     assert torch.equal(shared.x0[0], shared.x0[2]) and not torch.equal(shared.x0[0], shared.x0[3])
 
 
+def test_category_weights_balance_the_categories():
+    from flowcredit.tasks.prompt_sets import PROMPT_WEIGHTS
+
+    metas = [{"prompt": "a", "category": "x"}] * 3 + [{"prompt": "b", "category": "y"}, {"prompt": "c"}]
+    assert PROMPT_WEIGHTS["category"](metas) == [1 / 3, 1 / 3, 1 / 3, 1.0, 1.0]
+    assert PROMPT_WEIGHTS["uniform"](metas) is None
+    # the weighted draw follows the weights: category x (3 prompts) as often as category y (1 prompt)
+    metas = [{"prompt": f"x{i}", "category": "x"} for i in range(9)] + [{"prompt": "y", "category": "y"}]
+    batch = draw_batch(metas, 4000, 2, (1, 1, 1), False, 0, 0, weights=PROMPT_WEIGHTS["category"](metas))
+    share_y = sum(m["category"] == "y" for m in batch.metas) / 4000
+    assert abs(share_y - 0.5) < 0.03  # binomial sd 0.008; uniform draws would give 0.1
+    again = draw_batch(metas, 4000, 2, (1, 1, 1), False, 0, 0, weights=PROMPT_WEIGHTS["category"](metas))
+    assert again.prompts == batch.prompts  # seeded: a resumed run draws the same prompts
+
+
 def test_rollout_rows_draw_the_noise_of_the_whole_batch():
     n, sigmas, model, cond = 4, make_sigmas(4), Linear(), torch.zeros(2, 1)
     levels = torch.full((n,), 0.7)

@@ -135,6 +135,26 @@ def test_shapes_reward_interface():
         R.shapes_reward(x[:2], prompts[:2], metas[:1])
 
 
+def test_shapes_strict_reward_is_the_pass_fail_and_fails_a_surplus_object():
+    torch = pytest.importorskip("torch")
+    from flowcredit.rewards import get_reward, uses_shapeeval
+
+    meta = copy.deepcopy(_of("single_object")[0])  # "a <colour> <shape>"
+    twice = dict(meta, objects=[dict(meta["objects"][0], count=2)])  # the same object drawn twice
+    x = torch.from_numpy(np.concatenate([_render([meta]), _render([twice], seed=3)]))
+    prompts = [meta["prompt"]] * 2
+    strict = R.shapes_strict_reward(x, prompts, [meta, meta])
+    soft = R.shapes_reward(x, prompts, [meta, meta])
+    assert strict.tolist() == [1.0, 0.0]  # a surplus object fails the image outright ...
+    assert soft[0] == 1.0 and 0.5 < soft[1] < 1.0  # ... where the soft score only loses a part
+    mix = get_reward("shapes=0.5,shapes_strict=0.5")(x, prompts, [meta, meta])
+    assert torch.allclose(mix, 0.5 * soft + 0.5 * strict)
+    with pytest.raises(ValueError, match=meta["prompt"]):
+        R.shapes_strict_reward(x[:1], prompts[:1], [None])
+    assert uses_shapeeval("shapes_strict") and uses_shapeeval("jpeg_compressibility=1,shapes=0.5")
+    assert not uses_shapeeval("jpeg_compressibility")
+
+
 def test_evaluation_table_and_format():
     table = R.evaluation_table([1.0, 0.0, 0.5], [1.0, 0.0, 0.0], ["position", "counting", "position"])
     assert list(table) == ["counting", "position", "overall"]

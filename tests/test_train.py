@@ -46,7 +46,7 @@ def small_config(preset: str, run_dir, **extra) -> Config:
     return validate(cfg)
 
 
-@pytest.mark.parametrize("preset", COMPARED_PRESETS)
+@pytest.mark.parametrize("preset", [*COMPARED_PRESETS, "skill"])
 def test_preset_trains_through_the_one_loop(preset, tmp_path):
     extra = {"calib_max_iters": 1, "calib_groups": 1} if preset == "dense_grpo" else {}
     cfg = small_config(preset, tmp_path / "run", beta=0.01, **extra)

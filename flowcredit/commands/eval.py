@@ -21,6 +21,7 @@ import torch
 from flowcredit.config import Config, from_dict, validate
 from flowcredit.errors import UserError
 from flowcredit.models import load_model
+from flowcredit.rewards import uses_shapeeval
 from flowcredit.run.evaluation import (
     evaluate,
     evaluate_reward,
@@ -134,7 +135,7 @@ def main_eval(argv: list[str] | None = None) -> int:
     if args.reward_options is not None:
         cfg.reward_options = args.reward_options
     reward = args.reward or ((cfg.eval_reward or cfg.reward) if args.config else "shapes")
-    shapes_eval = reward == "shapes"  # its per-category table needs ShapeEval metadata
+    shapes_eval = uses_shapeeval(reward)  # the per-category table needs ShapeEval metadata
     metas = read_prompts(args.prompts, shapes_metadata=shapes_eval)[: args.max_prompts]
     score = evaluate
     if not shapes_eval:

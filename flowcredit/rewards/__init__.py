@@ -30,6 +30,11 @@ import torch
 
 from flowcredit.errors import UserError
 
+
+class RewardOutputError(UserError):
+    """A reward returned the wrong number of scores (a bug in the reward, not in its input)."""
+
+
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
 RewardFactory = Callable[..., RewardFn]
 
@@ -38,6 +43,12 @@ def _shapes(images, prompts, metadata):
     from flowcredit.tasks.shapes import shapes_reward
 
     return shapes_reward(images, prompts, metadata)
+
+
+def _shapes_strict(images, prompts, metadata):
+    from flowcredit.tasks.shapes import shapes_strict_reward
+
+    return shapes_strict_reward(images, prompts, metadata)
 
 
 def _jpeg_kb(images) -> np.ndarray:
@@ -83,7 +94,9 @@ def score_frames(fn: RewardFn, clips: torch.Tensor, prompts, metadata, frame_str
     )
     values = torch.as_tensor(values, dtype=torch.float32).reshape(-1).cpu()
     if values.shape[0] != b * f:
-        raise UserError(f"reward returned {values.shape[0]} values for {b * f} frames ({b} clips × {f})")
+        raise RewardOutputError(
+            f"reward returned {values.shape[0]} values for {b * f} frames ({b} clips × {f})"
+        )
     return values.view(b, f).mean(dim=1)
 
 
@@ -117,6 +130,7 @@ def _plain(fn: RewardFn) -> RewardFactory:
 
 REWARDS: dict[str, RewardFactory] = {
     "shapes": _plain(_shapes),
+    "shapes_strict": _plain(_shapes_strict),
     "jpeg_compressibility": _plain(jpeg_compressibility),
     "jpeg_incompressibility": _plain(jpeg_incompressibility),
     "ocr": _Lazy("flowcredit.rewards.ocr:ocr"),
@@ -186,6 +200,15 @@ def parse_mix(spec: str | dict[str, float]) -> dict[str, float]:
     return mix
 
 
+SHAPEEVAL_REWARDS = ("shapes", "shapes_strict")
+"""Rewards that score from ShapeEval metadata (a run with one of them evaluates with the ShapeEval table)."""
+
+
+def uses_shapeeval(spec: str | dict[str, float]) -> bool:
+    """Whether the reward ``spec`` (a name or a mix) includes a ShapeEval reward."""
+    return any(name in SHAPEEVAL_REWARDS for name in parse_mix(spec))
+
+
 class Reward:
     """A weighted mix of rewards; ``__call__`` returns the total ``(B,)`` and keeps the components.
 
@@ -224,7 +247,7 @@ class Reward:
             else:
                 value = torch.as_tensor(fn(images, prompts, metadata), dtype=torch.float32).reshape(-1).cpu()
             if value.shape[0] != images.shape[0]:
-                raise UserError(
+                raise RewardOutputError(
                     f"reward {name!r} returned {value.shape[0]} values for {images.shape[0]} images"
                 )
             components[name] = value

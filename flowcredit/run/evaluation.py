@@ -17,6 +17,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from flowcredit.models.protocol import FlowModel
+from flowcredit.rewards import uses_shapeeval
 from flowcredit.sde import SAMPLERS
 from flowcredit.tasks import shapes
 
@@ -208,7 +209,7 @@ def _eval_tables(s, metas: list[dict], seed: int, images: bool = False) -> dict:
     steps, guidance = cfg.eval_num_steps or cfg.num_steps, cfg.eval_guidance_scale or None
     ema = s.ema.applied() if s.ema is not None else contextlib.nullcontext()
     with torch.no_grad(), ema, s.policy.merged():
-        if (cfg.eval_reward or cfg.reward) == "shapes":
+        if uses_shapeeval(cfg.eval_reward or cfg.reward):
             return evaluate(
                 s.model,
                 metas,

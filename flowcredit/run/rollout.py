@@ -53,14 +53,19 @@ def draw_batch(
     iteration: int,
     world: int = 1,
     rank: int = 0,
+    weights: list[float] | None = None,
 ) -> Batch:
-    """Draw ``num_prompts`` prompts (with replacement) and the initial noise of all their rows, then
-    keep this rank's whole groups.
+    """Draw ``num_prompts`` prompts (with replacement; with probability ∝ ``weights``, uniform when
+    None) and the initial noise of all their rows, then keep this rank's whole groups.
 
     The draw of all ``B = num_prompts · group_size`` rows is the same on every rank, so ranks together
     hold exactly the rows of a single-process run. ``shared_noise``: one x₀ per group.
     """
-    pick = torch.randint(len(metas), (num_prompts,), generator=seeded(seed, iteration, 0))
+    gen = seeded(seed, iteration, 0)
+    if weights is None:
+        pick = torch.randint(len(metas), (num_prompts,), generator=gen)
+    else:
+        pick = torch.multinomial(torch.tensor(weights, dtype=torch.float64), num_prompts, True, generator=gen)
     per_rank = num_prompts // world
     mine_prompts = [metas[i] for i in pick[rank * per_rank : (rank + 1) * per_rank].tolist()]
     group_all = torch.arange(num_prompts).repeat_interleave(group_size)  # (B,) group of each row

@@ -19,13 +19,13 @@ from flowcredit.advantages import CREDITS, Credit
 from flowcredit.config import Config, credit_options
 from flowcredit.errors import UserError
 from flowcredit.models import FlowModel, check_adapter, load_model
-from flowcredit.rewards import Reward, get_reward, parse_mix
+from flowcredit.rewards import Reward, get_reward, parse_mix, uses_shapeeval
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from flowcredit.run.distributed import Dist
 from flowcredit.run.policy import EMA, Policy
 from flowcredit.run.rollout import Batch, draw_batch, noise_levels
 from flowcredit.sde import SAMPLERS, StepFn
-from flowcredit.tasks.prompt_sets import load_prompt_set
+from flowcredit.tasks.prompt_sets import PROMPT_WEIGHTS, load_prompt_set
 
 
 @dataclass
@@ -94,6 +94,7 @@ class Session:
             iteration,
             world,
             rank,
+            PROMPT_WEIGHTS[c.prompt_weights](self.train_metas),
         )
 
     @property
@@ -171,8 +172,8 @@ def build_session(
         seed=cfg.seed,
     )
     params = policy.parameters()
-    shapes = cfg.reward == "shapes"  # the shapes reward scores from ShapeEval metadata: check it up front
-    eval_shapes = (cfg.eval_reward or cfg.reward) == "shapes"
+    shapes = uses_shapeeval(cfg.reward)  # ShapeEval rewards score from ShapeEval metadata: check it up front
+    eval_shapes = uses_shapeeval(cfg.eval_reward or cfg.reward)
     s = Session(
         cfg=cfg,
         run_dir=run_dir,

@@ -60,3 +60,23 @@ def load_prompt_set(spec: str, limit: int, spread: bool, shapes_metadata: bool =
         step = len(metas) / limit
         return [metas[int(i * step)] for i in range(limit)]
     return metas[:limit]
+
+
+def uniform_weights(metas: list[dict]) -> None:
+    """Every prompt equally likely (``None``: the draw is a plain ``randint``)."""
+    return None
+
+
+def category_weights(metas: list[dict]) -> list[float]:
+    """Every ``category`` equally likely, then every prompt within it: weight ``1 / n_category``. A
+    prompt without a category counts as category ``""``. ShapeEval's train split is 56 % position
+    prompts; balanced, each of its six categories gets 1/6 of the draws."""
+    counts: dict[str, int] = {}
+    for meta in metas:
+        counts[meta.get("category", "")] = counts.get(meta.get("category", ""), 0) + 1
+    return [1.0 / counts[meta.get("category", "")] for meta in metas]
+
+
+PROMPT_WEIGHTS = {"uniform": uniform_weights, "category": category_weights}
+"""How training prompts are drawn (``Config.prompt_weights``): a function of the prompt set returning a
+weight per prompt (relative; ``None`` for uniform)."""

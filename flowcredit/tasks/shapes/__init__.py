@@ -28,7 +28,14 @@ _EXPORTS = {
         "split_of",
         "validate_meta",
     ),
-    "reward": ("detect_objects", "evaluation_table", "format_table", "score_images", "shapes_reward"),
+    "reward": (
+        "detect_objects",
+        "evaluation_table",
+        "format_table",
+        "score_images",
+        "shapes_reward",
+        "shapes_strict_reward",
+    ),
 }
 _MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -237,6 +237,20 @@ def score_images(images, metas: list[dict]) -> dict:
     return {"soft": soft, "strict": strict, "category": [m["category"] for m in metas]}
 
 
+def _checked_scores(images, prompts: list[str], metadata: list[dict]) -> dict:
+    """:func:`score_images` after checking that every prompt has well-formed metadata."""
+    if metadata is None or len(metadata) != len(prompts):
+        n = "no" if metadata is None else len(metadata)
+        raise ValueError(
+            f"shapes reward needs one metadata dict per prompt: {len(prompts)} prompts, {n} dicts"
+        )
+    for prompt, meta in zip(prompts, metadata):
+        if meta is None:
+            raise ValueError(f"prompt {prompt!r}: ShapeEval metadata missing")
+        validate_meta(meta, prompt)
+    return score_images(images, metadata)
+
+
 def shapes_reward(images, prompts: list[str], metadata: list[dict]):
     """The registered ``shapes`` reward: soft ShapeEval score, Tensor (B,) float32 on the images' device.
 
@@ -248,18 +262,20 @@ def shapes_reward(images, prompts: list[str], metadata: list[dict]):
     """
     import torch
 
-    if metadata is None or len(metadata) != len(prompts):
-        n = "no" if metadata is None else len(metadata)
-        raise ValueError(
-            f"shapes reward needs one metadata dict per prompt: {len(prompts)} prompts, {n} dicts"
-        )
-    for prompt, meta in zip(prompts, metadata):
-        if meta is None:
-            raise ValueError(f"prompt {prompt!r}: ShapeEval metadata missing")
-        validate_meta(meta, prompt)
-    soft = score_images(images, metadata)["soft"]
+    soft = _checked_scores(images, prompts, metadata)["soft"]
     device = images.device if isinstance(images, torch.Tensor) else None
     return torch.as_tensor(soft, dtype=torch.float32, device=device)
+
+
+def shapes_strict_reward(images, prompts: list[str], metadata: list[dict]):
+    """The registered ``shapes_strict`` reward: 1 iff every requirement of the prompt holds exactly (the
+    held-out pass/fail), else 0; Tensor (B,) float32. A surplus object fails the image outright,
+    where ``shapes`` only divides its no-extras credit. Arguments as :func:`shapes_reward`."""
+    import torch
+
+    strict = _checked_scores(images, prompts, metadata)["strict"]
+    device = images.device if isinstance(images, torch.Tensor) else None
+    return torch.as_tensor(strict, dtype=torch.float32, device=device)
 
 
 def evaluation_table(soft, strict, categories: list[str]) -> dict[str, dict[str, float]]:

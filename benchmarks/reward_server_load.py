@@ -1,0 +1,185 @@
+"""Load and memory of ``flowcredit serve-reward``, old code against new, on loopback (docs/rewards.md).
+
+For each checkout given (``--code NAME=PATH``), the script starts that checkout's ``flowcredit
+serve-reward`` in a subprocess on a free loopback port, serving :func:`batchable` (sleeps ``--sleep-ms``
+per call whatever the batch size, like a GPU model), and measures
+
+1. load: ``--clients`` processes each send ``--requests`` one-image requests (64², stdlib http.client,
+   one connection each, a new request as soon as the last is answered): wall time, throughput, p50 / p95
+   latency, and the server's reward calls where it reports them;
+2. memory: the server's peak RSS (VmHWM from /proc) after one request each of 16, 64 and 256 images of
+   512² (``--memory-images``), with ``--max-batch 16``. The images are smooth gradients, so bodies are
+   small and the growth is what the server keeps decoded.
+
+Everything is bounded: a fixed number of requests, 120 s per request, servers killed at the end.
+
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/reward_server_load.py \\
+        --code old=/path/to/old/checkout --code new=.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SLEEP_S = float(os.environ.get("REWARD_SERVER_LOAD_SLEEP_S", "0.1"))
+
+
+def batchable(images, prompts, metadata):
+    """The served reward: ``SLEEP_S`` per call, whatever the batch size; mean brightness."""
+    time.sleep(SLEEP_S)
+    return images.mean(dim=(1, 2, 3))
+
+
+def _png(image: torch.Tensor) -> str:
+    from flowcredit.rewards.wire import encode_png
+
+    return encode_png(image)
+
+
+def start(code: Path, sleep_ms: float, max_batch: int) -> tuple[subprocess.Popen, int]:
+    """That checkout's ``serve-reward`` in a subprocess; its pid and port."""
+    env = dict(os.environ, PYTHONPATH=f"{code}:{HERE}", OMP_NUM_THREADS="1")
+    env["REWARD_SERVER_LOAD_SLEEP_S"] = str(sleep_ms / 1000)
+    cmd = [sys.executable, "-m", "flowcredit", "serve-reward", "--reward", "reward_server_load:batchable"]
+    cmd += ["--port", "0", "--max-batch", str(max_batch), "--max-body-mb", "512", "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, cwd=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if " on http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"server from {code} did not start: {line}{proc.stderr.read()}")
+    return proc, int(line.split(" on http://")[1].split()[0].rsplit(":", 1)[1])
+
+
+def post(conn: http.client.HTTPConnection, body: bytes) -> list:
+    conn.request("POST", "/score", body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    data = response.read()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {data[:200]!r}")
+    return json.loads(data)["rewards"]
+
+
+def _client(port: int, body: bytes, requests: int, ready, results) -> None:
+    """One client process: connect, wait for the others, send ``requests`` in turn; latencies out."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.connect()
+    latencies, error = [], None
+    ready.wait()
+    try:
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            post(conn, body)
+            latencies.append(time.perf_counter() - t0)
+    except Exception as exc:  # reported, not raised: the other clients finish
+        error = repr(exc)
+    conn.close()
+    results.put((latencies, error))
+
+
+def load(port: int, clients: int, requests: int) -> dict:
+    """``clients`` processes (like training ranks; threads would queue on one GIL) × ``requests``
+    one-image requests each, one after the other (after one warm-up request): wall time and latencies."""
+    warm_up = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    post(warm_up, json.dumps({"images": [_png(torch.rand(3, 64, 64))], "prompts": ["warm-up"]}).encode())
+    warm_up.close()
+    ctx = multiprocessing.get_context("fork")  # the clients use only http.client
+    ready, results = ctx.Barrier(clients + 1), ctx.Queue()
+    procs = []
+    for k in range(clients):
+        body = json.dumps({"images": [_png(torch.rand(3, 64, 64))], "prompts": [f"client {k}"]}).encode()
+        procs.append(ctx.Process(target=_client, args=(port, body, requests, ready, results)))
+        procs[-1].start()
+    ready.wait()
+    t0 = time.perf_counter()
+    answers = [results.get(timeout=600) for _ in procs]
+    wall = time.perf_counter() - t0
+    for proc in procs:
+        proc.join()
+    latencies = [t for ts, _ in answers for t in ts]
+    q = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
+    return {
+        "requests": len(latencies),
+        "errors": [e for _, e in answers if e][:3],
+        "wall_s": round(wall, 3),
+        "requests_per_s": round(len(latencies) / wall, 2),
+        "p50_ms": round(1000 * statistics.median(latencies), 1),
+        "p95_ms": round(1000 * q[18], 1),
+    }
+
+
+def peak_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return round(next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM")) / 1024, 1)
+
+
+def memory(pid: int, port: int, counts: list[int], size: int) -> dict:
+    """Peak RSS after one request of each count of ``size``² images (after a one-image warm-up)."""
+    ramp = torch.linspace(0, 1, size)
+    image = torch.stack([ramp.expand(size, size), ramp.expand(size, size).T, torch.full((size, size), 0.3)])
+    png = _png(image)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    post(conn, json.dumps({"images": [png], "prompts": ["warm-up"]}).encode())
+    out = {"after_1": peak_rss_mib(pid)}
+    for n in counts:
+        body = json.dumps({"images": [png] * n, "prompts": ["a"] * n}).encode()
+        assert len(post(conn, body)) == n
+        out[f"after_{n}"] = peak_rss_mib(pid)
+    out["body_mib_largest"] = round(len(body) / (1 << 20), 2)
+    conn.close()
+    return out
+
+
+def reward_calls(port: int) -> int | None:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/health")
+    info = json.loads(conn.getresponse().read())
+    conn.close()
+    calls = info.get("reward_calls")
+    return sum(calls.values()) if isinstance(calls, dict) else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--code", action="append", required=True, help="NAME=PATH of a checkout to serve from")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--requests", type=int, default=10, help="per client")
+    p.add_argument("--sleep-ms", type=float, default=100.0, help="the reward's time per call")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--memory-images", default="16,64,256")
+    p.add_argument("--size", type=int, default=512)
+    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = p.parse_args(argv)
+    counts = [int(n) for n in args.memory_images.split(",")]
+    results = {}
+    for spec in args.code:
+        name, _, path = spec.partition("=")
+        proc, port = start(Path(path).resolve(), args.sleep_ms, args.max_batch)
+        try:
+            row = {"load": load(port, args.clients, args.requests)}
+            row["load"]["reward_calls"] = reward_calls(port)
+            row["memory_mib"] = memory(proc.pid, port, counts, args.size)
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+        results[name] = row
+        print(name, json.dumps(row), flush=True)
+    if args.out:
+        args.out.write_text(
+            json.dumps({"settings": vars(args) | {"out": str(args.out)}, "results": results}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
