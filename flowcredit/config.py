@@ -445,7 +445,8 @@ def skill() -> Config:
     """Held-out skill on the whole ShapeEval ``train`` split (docs/recipes.md, "Skill, not prompts"):
     TP-GRPO credit (CPS α = 0.7 on the 5 layout steps 0–4), prompts drawn category-balanced, the reward
     half soft and half strict (a surplus object fails the image), lr 1e-4 with a KL to the reference
-    (β = 0.04, Flow-GRPO's form), every held-out prompt evaluated."""
+    (β = 0.04, Flow-GRPO's form), every held-out prompt evaluated; 60 iterations (≈ 64 CPU-minutes
+    at one thread, measured), capped at 60 minutes."""
     return Config(
         sampler="cps",
         noise_level=0.7,
@@ -461,7 +462,8 @@ def skill() -> Config:
         lr=1e-4,
         beta=0.04,
         kl_mode="flow_grpo",
-        iterations=100,
+        iterations=60,
+        max_minutes=60.0,
         eval_every=25,
         num_eval_prompts=0,
         eval_samples_per_prompt=4,
