@@ -10,6 +10,7 @@ from ``psi_path``, or from calibration, which ``flowcredit.train.train`` runs ex
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 
 from flowcredit.advantages import CREDITS, Credit
 from flowcredit.config import Config, credit_options
-from flowcredit.errors import UserError
+from flowcredit.errors import ConfigError, UserError
 from flowcredit.models import FlowModel, check_adapter, load_model
 from flowcredit.rewards import Reward, get_reward
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -168,6 +169,7 @@ def build_session(
         need_reference=cfg.beta > 0,
         seed=cfg.seed,
     )
+    configure_network(cfg, model)
     params = policy.parameters()
     shapes = cfg.reward == "shapes"  # the shapes reward scores from ShapeEval metadata: check it up front
     s = Session(
@@ -194,7 +196,22 @@ def build_session(
         s.psi = read_psi(cfg.psi_path, cfg.num_steps)
     if s.psi is not None:
         write_psi(s)
+    s.optimizer = dist.prepare(model.net, s.optimizer, model.fsdp_block_classes)  # after the restore
     return s
+
+
+def configure_network(cfg: Config, model: FlowModel) -> None:
+    """``gradient_checkpointing`` through the adapter, ``compile`` by ``nn.Module.compile`` (in place:
+    parameter names, LoRA layers and checkpoints stay as they are)."""
+    if cfg.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    if cfg.compile:
+        on_cpu = next(model.net.parameters()).device.type == "cpu"
+        if on_cpu and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+            raise ConfigError(
+                "compile", "torch.compile on the CPU needs a C++ compiler (g++ or clang++) on PATH"
+            )
+        model.net.compile()
 
 
 def read_psi(path: str, num_steps: int) -> torch.Tensor:
