@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import typing
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from flowcredit.sde import LOGP_MODES, SAMPLER_ENTRIES
 from flowcredit.values import ESTIMATORS
 
 TRAIN_PARAMS = ("lora", "text", "lora+text", "all")
+LOG_WITH = ("tensorboard", "wandb", "none")
 
 
 @dataclass
@@ -165,6 +167,15 @@ class Config:
     """Seed of the evaluation noise (fixed for the whole run)."""
     save_every: int = 1
     """Write a checkpoint every k iterations."""
+    # --- scale-out: tracker, memory, compilation (docs/gpu.md) ---
+    log_with: str = "tensorboard"
+    """Tracker beside metrics.jsonl (always written): 'tensorboard' (run_dir/tb), 'wandb' (scalars,
+    evaluation grids, config; the extra flowcredit[wandb]) or 'none'."""
+    gradient_checkpointing: bool = False
+    """Recompute the transformer blocks' activations in the backward pass (diffusers adapters):
+    less memory, more compute."""
+    compile: bool = False
+    """torch.compile the velocity network (the adapter's ``net``); needs a C compiler on the CPU."""
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -338,7 +349,18 @@ def validate(cfg: Config) -> Config:
         "device",
         "must be 'cpu', 'cuda' or 'cuda:K'",
     )
+    _check_scale_out(cfg)
     return cfg
+
+
+def _check_scale_out(cfg: Config) -> None:
+    """``log_with`` and the wandb extra (``gradient_checkpointing`` is checked against the adapter)."""
+    _check(cfg.log_with in LOG_WITH, "log_with", f"{cfg.log_with!r} is not one of {LOG_WITH}")
+    _check(
+        cfg.log_with != "wandb" or importlib.util.find_spec("wandb") is not None,
+        "log_with",
+        "'wandb' needs the wandb package: pip install 'flowcredit[wandb]'",
+    )
 
 
 def trained_window(cfg: Config) -> tuple[int, int]:
