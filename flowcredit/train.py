@@ -203,7 +203,7 @@ def step_loss(s: Session, ro, adv, prompts, cond, group, r, i: int, weight: floa
     cfg, model = s.cfg, s.model
     x, x_next = ro.states[r, i], ro.states[r, i + 1]
     sigma, sigma_next, level = s.sigmas[i].item(), s.sigmas[i + 1].item(), float(s.levels[i])
-    with s.dist.wrapped_net(model):  # the DDP / FSDP forward (the plain network with one process)
+    with s.dist.wrapped_net(model):  # the DDP forward (the plain network with one process)
         v = model.velocity(x, s.sigmas[i].expand(len(r)), cond[group[r]])
     step = s.step_fn(v, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode)
     logp_old = ro.logp[r, i]

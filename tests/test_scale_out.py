@@ -160,3 +160,13 @@ def wandb_records(path: Path) -> list:
             out.append(record)
             part = b""
     return out
+
+
+def test_an_fsdp_launch_is_refused_with_a_clear_error(monkeypatch):
+    from flowcredit.errors import UserError
+    from flowcredit.run.distributed import Dist
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` with configs/fsdp.yaml sets
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(UserError, match="FSDP.*configs/ddp.yaml"):
+        Dist().prepare(net, torch.optim.AdamW(net.parameters()))

@@ -1,6 +1,6 @@
 """Data parallelism through accelerate: one process per rank (gloo on CPU, NCCL on GPUs), the trained
-network and the optimizer prepared by ``Accelerator.prepare`` (DDP, or FSDP2 under an FSDP launch
-config), gradients accumulated under ``no_sync`` and all-reduced once per optimizer step.
+network and the optimizer prepared by ``Accelerator.prepare`` (DDP), gradients accumulated under
+``no_sync`` and all-reduced once per optimizer step.
 
 Launch: ``ACCELERATE_USE_CPU=1 torchrun --standalone --nproc_per_node 2 -m flowcredit train …`` on
 CPU, ``accelerate launch --config_file configs/ddp.yaml -m flowcredit train …`` on GPUs
@@ -19,6 +19,8 @@ import os
 import warnings
 
 import torch
+
+from flowcredit.errors import UserError
 
 
 def fsdp_requested() -> bool:
@@ -47,18 +49,19 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def prepare(
-        self, net: torch.nn.Module, optimizer: torch.optim.Optimizer, block_classes: tuple[str, ...] = ()
-    ) -> torch.optim.Optimizer:
+    def prepare(self, net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Hand ``net`` (the adapter's trained network) and its optimizer to ``Accelerator.prepare``;
-        returns the optimizer to step. Identity without an accelerator. Under FSDP, ``block_classes``
-        (the adapter's ``fsdp_block_classes``) are the units it shards, unless the launch config
-        names its own (``fsdp_transformer_layer_cls_to_wrap``)."""
+        returns the optimizer to step. Identity without an accelerator. An FSDP launch config is
+        refused: the checkpoint, the EMA and the final export read plain tensors on rank 0, and
+        gathering sharded ones is not written yet (the adapter's ``fsdp_block_classes`` are ready
+        for it: accelerate's FSDP2 wrap policy picks them, tests/test_adapters_diffusers.py)."""
         if self.accelerator is None:
             return optimizer
-        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if plugin is not None and plugin.transformer_cls_names_to_wrap is None and block_classes:
-            plugin.transformer_cls_names_to_wrap = list(block_classes)
+        if fsdp_requested():
+            raise UserError(
+                "FSDP launch config: the trainer cannot yet gather FSDP-sharded weights for its "
+                "checkpoints and final export (docs/gpu.md, 'Several GPUs'); use configs/ddp.yaml"
+            )
         with warnings.catch_warnings():  # torch renames broadcast_buffers; accelerate passes the old name
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
             self.net, optimizer = self.accelerator.prepare(net, optimizer)
@@ -67,7 +70,7 @@ class Dist:
     @contextlib.contextmanager
     def wrapped_net(self, model):
         """Within the context ``model.net`` is the prepared wrapper, so the adapter's own ``velocity``
-        runs the DDP / FSDP forward (whose hooks reduce the gradients in the backward)."""
+        runs the DDP forward (whose hooks reduce the gradients in the backward)."""
         if self.net is None:
             yield
             return

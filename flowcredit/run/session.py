@@ -196,7 +196,7 @@ def build_session(
         s.psi = read_psi(cfg.psi_path, cfg.num_steps)
     if s.psi is not None:
         write_psi(s)
-    s.optimizer = dist.prepare(model.net, s.optimizer, model.fsdp_block_classes)  # after the restore
+    s.optimizer = dist.prepare(model.net, s.optimizer)  # after the restore: a plain optimizer state
     return s
 
 
