@@ -6,11 +6,11 @@ pipeline (``tests/tiny_diffusers.py``), on the CPU.
 
 Every (model, option) pair runs in a fresh subprocess, one after the other in one invocation, with one
 torch thread. Per pair: the first call (``compile`` compiles there), the median of ``--reps`` timed
-calls, the activation bytes the forward saves for the backward (``saved_tensors_hooks``, unique
-storages that are not parameters; exact, but not measurable under ``compile``, whose graphs save
-their own), and the peak RSS growth over the timed calls (sampled every millisecond; glibc is told
-to return every block over 64 KiB when freed, so the RSS follows the live tensors: activations,
-gradients and the allocator's slack).
+calls (wall clock and CPU time), the activation bytes the forward saves for the backward
+(``saved_tensors_hooks``, unique storages that are not parameters; exact, but not measurable under
+``compile``, whose graphs save their own), and the peak RSS growth over the timed calls (sampled
+every millisecond; glibc is told to return every block over 64 KiB when freed, so the RSS follows
+the live tensors: activations, gradients and the allocator's slack).
 """
 
 from __future__ import annotations
@@ -113,14 +113,16 @@ def child(kind: str, option: str, reps: int) -> dict:
     x = torch.randn((rows, *model.latent_shape), generator=g)
     inputs = (x, torch.rand(rows, generator=g), model.encode([PROMPTS[i % 4] for i in range(rows)]))
 
-    def step() -> float:
-        t0 = time.perf_counter()
+    def step() -> tuple[float, float]:
+        """Wall-clock and CPU seconds of one forward + backward (one thread: CPU time is the less
+        disturbed by other jobs on a shared machine)."""
+        t0, c0 = time.perf_counter(), time.process_time()
         model.velocity(*inputs).square().mean().backward()
         for p in policy.parameters():
             p.grad = None
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    first = step()
+    first, _ = step()
     step()
     compiled = "compile" in OPTIONS[option]
     saved = None if compiled else saved_activation_bytes(model, inputs, policy.parameters())
@@ -131,7 +133,8 @@ def child(kind: str, option: str, reps: int) -> dict:
         "option": option,
         "rows": rows,
         "first_call_s": first,
-        "step_s": statistics.median(times),
+        "step_s": statistics.median(wall for wall, _ in times),
+        "step_cpu_s": statistics.median(cpu for _, cpu in times),
         "saved_activations_MiB": None if saved is None else saved / 2**20,
         "peak_rss_growth_MiB": (rss.peak - rss.start) / 2**20,
     }
