@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import typing
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from flowcredit.tasks.prompt_sets import PROMPT_WEIGHTS
 from flowcredit.values import ESTIMATORS
 
 TRAIN_PARAMS = ("lora", "text", "lora+text", "all")
+LOG_WITH = ("tensorboard", "wandb", "none")
 
 
 @dataclass
@@ -180,6 +182,15 @@ class Config:
     """Seed of the evaluation noise (fixed for the whole run)."""
     save_every: int = 1
     """Write a checkpoint every k iterations."""
+    # --- scale-out: tracker, memory, compilation (docs/gpu.md) ---
+    log_with: str = "tensorboard"
+    """Tracker beside metrics.jsonl (always written): 'tensorboard' (run_dir/tb), 'wandb' (scalars,
+    evaluation grids, config; the extra flowcredit[wandb]) or 'none'."""
+    gradient_checkpointing: bool = False
+    """Recompute the transformer blocks' activations in the backward pass (diffusers adapters):
+    less memory, more compute."""
+    compile: bool = False
+    """torch.compile the velocity network (the adapter's ``net``); needs a C compiler on the CPU."""
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -359,6 +370,7 @@ def validate(cfg: Config) -> Config:
         "must be 'cpu', 'cuda' or 'cuda:K'",
     )
     _check_video_and_eval(cfg)
+    _check_scale_out(cfg)
     return cfg
 
 
@@ -368,6 +380,16 @@ def _check_video_and_eval(cfg: Config) -> None:
     _check(cfg.reward_frame_stride >= 1, "reward_frame_stride", "must be >= 1 (1: every frame)")
     _check(cfg.eval_num_steps >= 0, "eval_num_steps", "must be >= 0 (0: num_steps)")
     _check(cfg.eval_guidance_scale >= 0, "eval_guidance_scale", "must be >= 0 (0: the training one)")
+
+
+def _check_scale_out(cfg: Config) -> None:
+    """``log_with`` and the wandb extra (``gradient_checkpointing`` is checked against the adapter)."""
+    _check(cfg.log_with in LOG_WITH, "log_with", f"{cfg.log_with!r} is not one of {LOG_WITH}")
+    _check(
+        cfg.log_with != "wandb" or importlib.util.find_spec("wandb") is not None,
+        "log_with",
+        "'wandb' needs the wandb package: pip install 'flowcredit[wandb]'",
+    )
 
 
 def trained_window(cfg: Config) -> tuple[int, int]:

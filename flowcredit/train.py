@@ -19,6 +19,7 @@ import math
 import signal
 import sys
 import time
+from dataclasses import asdict
 
 import torch
 from tqdm import tqdm
@@ -146,19 +147,21 @@ def ppo_update(s: Session, ro, adv, prompts, group, keep, gen) -> dict:
     for _ in range(cfg.inner_epochs):
         order = steps[torch.randperm(len(steps), generator=gen)]
         for start in range(0, len(order), cfg.steps_per_update):
-            window = order[start : start + cfg.steps_per_update]
-            for i in window.tolist():
-                cond = model.encode(prompts) if len(keep) else None  # under grad: the text encoder may train
-                for lo in range(0, len(keep), cfg.batch_size):
-                    r = keep[lo : lo + cfg.batch_size]
-                    out = step_loss(s, ro, adv, prompts, cond, group, r, i, len(r) / n_rows / len(window))
-                    if first_dev is None:  # before any optimizer step: exactly 1 (same model, same geometry)
-                        first_dev = out["stats/ratio_maxdev"]
-                    for key, value in out.items():
-                        totals[key] = totals.get(key, 0.0) + value
-                    count += 1
-            s.dist.sync_grads(s.params)
-            totals["stats/grad_norm"] += torch.nn.utils.clip_grad_norm_(s.params, cfg.max_grad_norm).item()
+            window = order[start : start + cfg.steps_per_update].tolist()
+            cond, cond_step = None, None
+            for i, r, weight, sync in micro_batches(window, keep, cfg.batch_size, n_rows, s.dist.world):
+                if i != cond_step:  # under grad: the text encoder may train
+                    cond, cond_step = model.encode(prompts), i
+                with s.dist.accumulating(sync):
+                    out = step_loss(s, ro, adv, prompts, cond, group, r, i, weight)
+                if not len(keep):  # a zero-weight pass of a rank without rows: no statistics
+                    continue
+                if first_dev is None:  # before any optimizer step: exactly 1 (same model, same geometry)
+                    first_dev = out["stats/ratio_maxdev"]
+                for key, value in out.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                count += 1
+            totals["stats/grad_norm"] += s.dist.clip_grad_norm_(s.params, cfg.max_grad_norm)
             s.optimizer.step()
             s.optimizer.zero_grad(set_to_none=True)
             if s.ema is not None:
@@ -175,12 +178,33 @@ def ppo_update(s: Session, ro, adv, prompts, group, keep, gen) -> dict:
     return out
 
 
+def micro_batches(window: list[int], keep, batch_size: int, n_rows: int, world: int):
+    """``(step, rows, weight, sync)`` of one optimizer step's micro-batches on this rank: each trained
+    step of ``window`` × chunks of ``batch_size`` kept rows. ``sync`` marks the last one (its backward
+    all-reduces the accumulated gradients).
+
+    ``weight = |rows| / n_rows / |window| · world``: ``n_rows`` counts the kept rows of every rank, so
+    the weights of all ranks' micro-batches sum to 1, and DDP's average over ranks (a division by
+    ``world``) turns the ``· world`` back into the sum. A rank without kept rows still runs one
+    zero-weight pass on row 0, so that every rank joins the all-reduce.
+    """
+    units = [
+        (i, keep[lo : lo + batch_size], len(keep[lo : lo + batch_size]) / n_rows / len(window) * world)
+        for i in window
+        for lo in range(0, len(keep), batch_size)
+    ]
+    if not units:
+        units = [(window[0], torch.zeros(1, dtype=torch.long), 0.0)]
+    return [(i, r, weight, k == len(units) - 1) for k, (i, r, weight) in enumerate(units)]
+
+
 def step_loss(s: Session, ro, adv, prompts, cond, group, r, i: int, weight: float) -> dict:
     """Backward of ``weight·(L_pg + β·KL)`` for rows ``r`` at step ``i``; returns the statistics."""
     cfg, model = s.cfg, s.model
     x, x_next = ro.states[r, i], ro.states[r, i + 1]
     sigma, sigma_next, level = s.sigmas[i].item(), s.sigmas[i + 1].item(), float(s.levels[i])
-    v = model.velocity(x, s.sigmas[i].expand(len(r)), cond[group[r]])
+    with s.dist.wrapped_net(model):  # the DDP forward (the plain network with one process)
+        v = model.velocity(x, s.sigmas[i].expand(len(r)), cond[group[r]])
     step = s.step_fn(v, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode)
     logp_old = ro.logp[r, i]
     policy_loss = clipped_surrogate(step.logp, logp_old, adv[r, i], cfg.clip_range)
@@ -192,7 +216,7 @@ def step_loss(s: Session, ro, adv, prompts, cond, group, r, i: int, weight: floa
                 v_ref, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode
             ).mean
         kl = kl_to_reference(step.mean, mean_ref, step.std, sigma_next - sigma, cfg.kl_mode).mean()
-    ((policy_loss + cfg.beta * kl) * weight).backward()
+    s.dist.backward((policy_loss + cfg.beta * kl) * weight)
     return {
         "loss/policy": policy_loss.item(),
         "loss/kl": kl.item(),
@@ -201,6 +225,14 @@ def step_loss(s: Session, ro, adv, prompts, cond, group, r, i: int, weight: floa
         "stats/ratio_mean": torch.exp(step.logp - logp_old).mean().item(),
         "stats/ratio_maxdev": (torch.exp(step.logp - logp_old) - 1).abs().max().item(),
     }
+
+
+def evaluated(s: Session, log: RunLog, iteration: int, tag: str | None) -> dict:
+    """``evaluate_policy``'s scores; its image grids go to the tracker if it takes images."""
+    grids = {} if log.wants_images else None
+    scores = evaluate_policy(s, tag, grids)
+    log.log_images(iteration, grids)
+    return scores
 
 
 def train(
@@ -216,10 +248,11 @@ def train(
     interrupted = {"flag": False}
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
     t_start = time.time()
-    log = RunLog(s.run_dir, s.start_iteration if resume else None) if main else None
+    resumed_at = s.start_iteration if resume else None
+    log = RunLog(s.run_dir, resumed_at, cfg.log_with, asdict(cfg)) if main else None
     try:
         if s.start_iteration == 0 and main:
-            log.log(0, evaluate_policy(s, "start"))
+            log.log(0, evaluated(s, log, 0, "start"))
         its = range(s.start_iteration, cfg.iterations)
         bar = tqdm(
             its,
@@ -239,7 +272,7 @@ def train(
             last = s.dist.sum_(torch.tensor(float(stop))).item() > 0  # any rank stopping stops all
             if main:
                 if (cfg.eval_every and done % cfg.eval_every == 0) or last:
-                    metrics.update(evaluate_policy(s, "after" if last else None))
+                    metrics.update(evaluated(s, log, done, "after" if last else None))
                 timings = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("time/")]}
                 log.log(done, metrics, {"time/iteration_s": time.time() - t0, **timings})
                 bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}"})

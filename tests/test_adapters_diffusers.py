@@ -21,12 +21,13 @@ pytest.importorskip("peft")
 
 from tiny_diffusers import SIZE, build_flux, build_sd3, train_config  # noqa: E402
 
-from flowcredit.config import COMPARED_PRESETS  # noqa: E402
+from flowcredit.config import COMPARED_PRESETS, Config  # noqa: E402
 from flowcredit.models.diffusers_common import LORA_WEIGHTS, PromptCond  # noqa: E402
 from flowcredit.models.flux import FluxFlowModel, image_ids, pack, unpack  # noqa: E402
 from flowcredit.models.protocol import FlowModel  # noqa: E402
 from flowcredit.models.sd3 import SD3FlowModel  # noqa: E402
 from flowcredit.run.policy import Policy  # noqa: E402
+from flowcredit.run.session import configure_network  # noqa: E402
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(2)
@@ -303,3 +304,37 @@ def test_trainer_uses_the_adapter_schedule(dirs, kind, tmp_path):
     cfg = train_config("flow_grpo", kind, dirs[kind], prompts, tmp_path / "run")
     s = build_session(cfg, resume=False)
     assert torch.equal(s.sigmas, s.model.sigmas(cfg.num_steps))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradient_checkpointing_and_fsdp_blocks(dirs, kind):
+    """Gradient checkpointing recomputes the same LoRA gradients; accelerate's FSDP2 wrap policy,
+    given the adapter's ``fsdp_block_classes``, picks exactly the transformer blocks (FSDP itself
+    does not run on CPUs under accelerate: docs/gpu.md, "Several GPUs")."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    grads = []
+    for on in (False, True):
+        model = load(dirs, kind)
+        policy = Policy(model, "lora", 4, 8.0, "default")
+        _perturb_lora(model.net)
+        configure_network(Config(gradient_checkpointing=on), model)
+        x, sigma = inputs(model)
+        model.velocity(x, sigma, model.encode(PROMPTS)).square().mean().backward()
+        grads.append([p.grad for p in policy.parameters()])
+    assert model.net.gradient_checkpointing
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    blocks = {
+        "sd3": ("JointTransformerBlock",),
+        "flux": ("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    }
+    assert model.fsdp_block_classes == blocks[kind]
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=list(model.fsdp_block_classes),
+    )
+    shard_unit = fsdp2_prepare_auto_wrap_policy(plugin, model.net)
+    units = [name for name, m in model.net.named_modules() if shard_unit(m)]
+    assert units and units == [n for n, m in model.net.named_modules() if type(m).__name__ in blocks[kind]]

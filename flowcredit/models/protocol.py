@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from flowcredit.errors import ConfigError
 from flowcredit.schedule import sigmas as default_sigmas
 
 Cond = Any
@@ -27,7 +28,8 @@ class FlowModel(Protocol):
 
     Required (no default): ``latent_shape``, ``guidance_scale``, ``net``, ``encode``, ``velocity``,
     ``decode``. Optional (defaulted by :class:`FlowModelBase`): ``num_steps``, ``shift``, ``sigmas``,
-    ``guidance_passes``, ``default_lora_targets``, ``save_final``.
+    ``guidance_passes``, ``default_lora_targets``, ``save_final``, ``fsdp_block_classes``,
+    ``enable_gradient_checkpointing``.
 
     Attributes:
         latent_shape: ``(C, H, W)`` of one latent (a video model's: ``(C, F, H, W)``; the samplers, values
@@ -41,6 +43,8 @@ class FlowModel(Protocol):
             its own.
         default_lora_targets: what ``lora_targets='default'`` wraps (a comma list of module-name
             suffixes, or ``'unet'`` for the tiny model); None: the adapter has no default.
+        fsdp_block_classes: class names of the network's repeated blocks, each of which FSDP shards
+            as one unit (accelerate's ``transformer_cls_names_to_wrap``).
     """
 
     latent_shape: tuple[int, ...]
@@ -49,6 +53,7 @@ class FlowModel(Protocol):
     num_steps: int
     shift: float
     default_lora_targets: str | None
+    fsdp_block_classes: tuple[str, ...]
 
     def encode(self, prompts: list[str]) -> Cond:
         """Encode ``B`` prompts (and the null prompt for CFG) under the current grad mode."""
@@ -86,6 +91,11 @@ class FlowModel(Protocol):
         ``trainable.safetensors`` the trainer always writes)."""
         ...
 
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute the network's block activations in the backward pass (config field
+        ``gradient_checkpointing``); raise ``ConfigError`` if the network cannot."""
+        ...
+
 
 class FlowModelBase:
     """Defaults for the optional members of :class:`FlowModel`; adapters subclass it."""
@@ -106,9 +116,35 @@ class FlowModelBase:
     def save_final(self, policy: Any, directory: Path) -> None:
         """No model-specific export: the trainable tensors alone are the result."""
 
+    @property
+    def fsdp_block_classes(self) -> tuple[str, ...]:
+        """The network's ``_no_split_modules`` (diffusers and transformers models declare their
+        transformer blocks there), else none: FSDP then shards the network as one unit."""
+        return tuple(getattr(self.net, "_no_split_modules", None) or ())
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Diffusers networks that support it (``_supports_gradient_checkpointing``) turn it on;
+        any other network raises ``ConfigError``."""
+        if not getattr(self.net, "_supports_gradient_checkpointing", False):
+            raise ConfigError(
+                "gradient_checkpointing",
+                f"the {type(self).__name__} adapter's network ({type(self.net).__name__}) has no "
+                "gradient checkpointing (the diffusers adapters have it)",
+            )
+        self.net.enable_gradient_checkpointing()
+
 
 REQUIRED = ("latent_shape", "guidance_scale", "net", "encode", "velocity", "decode")
-OPTIONAL = ("num_steps", "shift", "default_lora_targets", "sigmas", "guidance_passes", "save_final")
+OPTIONAL = (
+    "num_steps",
+    "shift",
+    "default_lora_targets",
+    "sigmas",
+    "guidance_passes",
+    "save_final",
+    "fsdp_block_classes",
+    "enable_gradient_checkpointing",
+)
 
 
 def check_adapter(model: object, name: str) -> None:

@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Attention(nn.Module):
@@ -163,6 +164,7 @@ class UNet(nn.Module):
                 prev = chs[i - 1]
         self.out_norm = nn.GroupNorm(8, prev)
         self.out = nn.Conv2d(prev, in_ch, 3, padding=1)
+        self.gradient_checkpointing = False  # recompute each ResBlock in the backward (under grad)
         nn.init.zeros_(self.out.weight)
         nn.init.zeros_(self.out.bias)
 
@@ -180,20 +182,33 @@ class UNet(nn.Module):
         h = self.stem(x)  # (B, c0, H, W)
         skips = []
         for i, block in enumerate(self.down):
-            h = block(h, emb)
+            h = self._block(block, h, emb)
             skips.append(h)
             if i < len(self.downsample):
                 h = self.downsample[i](h)  # halves H, W
-        h = self.mid2(self.mid_attn(self.mid1(h, emb), tokens, mask), emb)  # (B, c_last, H/4, W/4)
+        h = self._block(self.mid1, h, emb)
+        h = self._block(self.mid2, self.mid_attn(h, tokens, mask), emb)  # (B, c_last, H/4, W/4)
         for j, block in enumerate(self.up):
-            h = block(torch.cat([h, skips.pop()], dim=1), emb)
+            h = self._block(block, torch.cat([h, skips.pop()], dim=1), emb)
             if j < len(self.upsample):
                 h = self.upsample[j](F.interpolate(h, scale_factor=2.0, mode="nearest"))
         return self.out(F.silu(self.out_norm(h)))
 
+    def _block(self, block: nn.Module, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            return checkpoint(block, h, emb, use_reentrant=False)
+        return block(h, emb)
+
 
 class TinyNet(nn.Module):
-    """All weights of the tiny model: ``text`` (TextEncoder) and ``unet`` (UNet)."""
+    """All weights of the tiny model: ``text`` (TextEncoder) and ``unet`` (UNet).
+
+    ``_no_split_modules`` and ``enable_gradient_checkpointing`` follow diffusers' names, so the
+    adapter defaults (``fsdp_block_classes``, gradient checkpointing) apply as they do to diffusers.
+    """
+
+    _no_split_modules = ("ResBlock",)
+    _supports_gradient_checkpointing = True
 
     def __init__(
         self,
@@ -218,3 +233,6 @@ class TinyNet(nn.Module):
         pooled: torch.Tensor,
     ) -> torch.Tensor:
         return self.unet(x, sigma, tokens, mask, pooled)
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.unet.gradient_checkpointing = True

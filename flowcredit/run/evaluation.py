@@ -226,26 +226,31 @@ def _eval_tables(s, metas: list[dict], seed: int, images: bool = False) -> dict:
         )
 
 
-def evaluate_policy(s, tag: str | None) -> dict:
+def evaluate_policy(s, tag: str | None, grids: dict | None = None) -> dict:
     """Held-out (and, with a small training set, trained-prompt) scores of a run's policy (a
     ``flowcredit.run.session.Session``) with the ODE sampler and fixed noise.
 
     ``tag`` names the image grids saved in the run directory (``grid_<tag>_<set>.png``); ``"start"``
-    also measures the noise floor (std over 3 noise seeds), kept in ``s.history``.
+    also measures the noise floor (std over 3 noise seeds), kept in ``s.history``. ``grids``, if
+    given, receives each set's grid as ``{"eval/<set>": PIL image}`` (for a tracker), tag or not.
     """
     out = {}
     sets = {"test": s.eval_metas}
     if len(s.train_metas) <= 32:  # a small training set is evaluated too (did the trained prompts improve?)
         sets["train"] = s.train_metas
     for name, metas in sets.items():
-        res = _eval_tables(s, metas, s.cfg.eval_seed, images=tag is not None)
+        res = _eval_tables(s, metas, s.cfg.eval_seed, images=tag is not None or grids is not None)
         overall = res["table"]["overall"]
         out[f"eval/{name}/soft"], out[f"eval/{name}/strict"] = overall["soft"], overall["strict"]
         for cat, row in res["table"].items():  # per ShapeEval category (held-out set only)
             if name == "test" and cat != "overall" and len(res["table"]) > 2:
                 out[f"eval/test/{cat}/soft"], out[f"eval/test/{cat}/strict"] = row["soft"], row["strict"]
-        if tag is not None:
-            _save_grid(s, res, metas, f"grid_{tag}_{name}.png")
+        if tag is not None or grids is not None:
+            grid = _grid(s, res, metas)
+            if tag is not None:
+                grid.save(s.run_dir / f"grid_{tag}_{name}.png")
+            if grids is not None:
+                grids[f"eval/{name}"] = grid
         if tag == "start":
             floors = [_eval_tables(s, metas, s.cfg.eval_seed + k)["table"]["overall"]["soft"] for k in (1, 2)]
             spread = torch.tensor([overall["soft"], *floors])
@@ -254,9 +259,9 @@ def evaluate_policy(s, tag: str | None) -> dict:
     return out
 
 
-def _save_grid(s, res: dict, metas: list[dict], filename: str) -> None:
+def _grid(s, res: dict, metas: list[dict]):
+    """The first 8 prompts' samples of an evaluation as one captioned PIL image."""
     k = s.cfg.eval_samples_per_prompt
     n = min(len(metas), 8)
     rows = torch.tensor([i * k + j for i in range(n) for j in range(k)])
-    grid = image_grid(res["images"][rows], [m["prompt"] for m in metas[:n]], k)
-    grid.save(s.run_dir / filename)
+    return image_grid(res["images"][rows], [m["prompt"] for m in metas[:n]], k)

@@ -1,29 +1,80 @@
 """Run-directory outputs: ``metrics.jsonl`` (deterministic numbers only), ``timings.jsonl`` (wall
-clock), TensorBoard events, the reward-curve PNG, image grids and the end-of-run summary."""
+clock), a tracker (``log_with``: TensorBoard events in ``run_dir/tb``, or Weights & Biases), the
+reward-curve PNG, image grids and the end-of-run summary.
+
+The JSONL files are always written: resume and the bench read them. Trackers are accelerate's
+(``accelerate.tracking``); wandb is the optional extra ``flowcredit[wandb]`` and runs offline with
+``WANDB_MODE=offline`` (its files under ``run_dir/wandb``).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import uuid
 from pathlib import Path
+
+WANDB_ID = "wandb_id.txt"
+
+
+def make_tracker(log_with: str, run_dir: Path, config: dict | None):
+    """accelerate's tracker for ``log_with`` (None for ``"none"``), started; the config goes to wandb.
+
+    A resumed run continues its wandb run (the id is kept in ``run_dir/wandb_id.txt``)."""
+    if log_with == "none":
+        return None
+    from accelerate import PartialState
+
+    PartialState()  # accelerate's trackers log through its state (set up already under several processes)
+    if log_with == "tensorboard":
+        from accelerate.tracking import TensorBoardTracker
+
+        tracker = TensorBoardTracker("tb", str(run_dir))
+        tracker.start()
+        return tracker
+    from accelerate.tracking import WandBTracker
+
+    from flowcredit.errors import UserError
+
+    if importlib.util.find_spec("wandb") is None:
+        raise UserError("log_with='wandb' needs wandb: pip install 'flowcredit[wandb]'")
+    id_file = run_dir / WANDB_ID
+    if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:8] + "\n")  # a wandb run id, kept for resuming
+    project = os.environ.get("WANDB_PROJECT", "flowcredit")
+    tracker = WandBTracker(
+        project, dir=str(run_dir), name=run_dir.name, id=id_file.read_text().strip(), resume="allow"
+    )
+    tracker.start()
+    if config is not None:
+        tracker.store_init_configuration(config)
+    return tracker
 
 
 class RunLog:
-    """Appends namespaced metrics (``reward/mean``, ``loss/policy``, ``stats/clipfrac``, ``eval/…``)."""
+    """Appends namespaced metrics (``reward/mean``, ``loss/policy``, ``stats/clipfrac``, ``eval/…``)
+    to the JSONL files and to the tracker."""
 
-    def __init__(self, run_dir: Path, resume_iteration: int | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        resume_iteration: int | None = None,
+        log_with: str = "tensorboard",
+        config: dict | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.timings_path = self.run_dir / "timings.jsonl"
         if resume_iteration is not None:  # drop lines written after the checkpoint we resume from
             for path in (self.metrics_path, self.timings_path):
                 _truncate_after(path, resume_iteration)
-        self.writer = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
+        self.tracker = make_tracker(log_with, self.run_dir, config)
 
-            self.writer = SummaryWriter(str(self.run_dir / "tb"))
-        except ImportError:  # tensorboard is a declared dependency; keep running without it anyway
-            self.writer = None
+    @property
+    def wants_images(self) -> bool:
+        """Whether the tracker takes the evaluation grids (wandb does; TensorBoard gets scalars only)."""
+        return self.tracker is not None and self.tracker.name == "wandb"
 
     def log(self, iteration: int, metrics: dict, timings: dict | None = None) -> None:
         with open(self.metrics_path, "a") as fh:
@@ -31,15 +82,18 @@ class RunLog:
         if timings:
             with open(self.timings_path, "a") as fh:
                 fh.write(json.dumps({"iteration": iteration, **timings}, sort_keys=True) + "\n")
-        if self.writer is not None:
-            for key, value in {**metrics, **(timings or {})}.items():
-                if isinstance(value, (int, float)):
-                    self.writer.add_scalar(key, value, iteration)
-            self.writer.flush()
+        if self.tracker is not None:
+            scalars = {k: v for k, v in {**metrics, **(timings or {})}.items() if isinstance(v, (int, float))}
+            self.tracker.log(scalars, step=iteration)
+
+    def log_images(self, iteration: int, grids: dict) -> None:
+        """``{"eval/<set>": PIL image}`` to the tracker, if it takes images."""
+        if grids and self.wants_images:
+            self.tracker.log_images({k: [v] for k, v in grids.items()}, step=iteration)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        if self.tracker is not None:
+            self.tracker.finish()
 
 
 def _truncate_after(path: Path, iteration: int) -> None:

@@ -10,6 +10,7 @@ from ``psi_path``, or from calibration, which ``flowcredit.train.train`` runs ex
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 
 from flowcredit.advantages import CREDITS, Credit
 from flowcredit.config import Config, credit_options
-from flowcredit.errors import UserError
+from flowcredit.errors import ConfigError, UserError
 from flowcredit.models import FlowModel, check_adapter, load_model
 from flowcredit.rewards import Reward, get_reward, parse_mix, uses_shapeeval
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -171,6 +172,7 @@ def build_session(
         need_reference=cfg.beta > 0,
         seed=cfg.seed,
     )
+    configure_network(cfg, model)
     params = policy.parameters()
     shapes = uses_shapeeval(cfg.reward)  # ShapeEval rewards score from ShapeEval metadata: check it up front
     eval_shapes = uses_shapeeval(cfg.eval_reward or cfg.reward)
@@ -198,6 +200,7 @@ def build_session(
         s.psi = read_psi(cfg.psi_path, cfg.num_steps)
     if s.psi is not None:
         write_psi(s)
+    s.optimizer = dist.prepare(model.net, s.optimizer)  # after the restore: a plain optimizer state
     return s
 
 
@@ -209,6 +212,20 @@ def build_reward(cfg: Config, spec: str, named_only: bool = False) -> Reward:
     if named_only:
         options = {k: v for k, v in options.items() if k in parse_mix(spec)}
     return get_reward(spec, options or None, cfg.reward_frame_stride)
+
+
+def configure_network(cfg: Config, model: FlowModel) -> None:
+    """``gradient_checkpointing`` through the adapter, ``compile`` by ``nn.Module.compile`` (in place:
+    parameter names, LoRA layers and checkpoints stay as they are)."""
+    if cfg.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    if cfg.compile:
+        on_cpu = next(model.net.parameters()).device.type == "cpu"
+        if on_cpu and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+            raise ConfigError(
+                "compile", "torch.compile on the CPU needs a C++ compiler (g++ or clang++) on PATH"
+            )
+        model.net.compile()
 
 
 def read_psi(path: str, num_steps: int) -> torch.Tensor:
