@@ -144,17 +144,21 @@ def ppo_update(s: Session, ro, adv, prompts, group, keep, gen) -> dict:
     n_rows = int(s.dist.sum_(torch.tensor(float(len(keep)))).item())  # kept rows over all ranks
     if n_rows == 0:
         return {}
+    chunks = 0  # FSDP: every pass is a collective, so every rank runs the busiest rank's count
+    if s.dist.sharded:
+        chunks = int(s.dist.gather_rows(torch.tensor([math.ceil(len(keep) / cfg.batch_size)])).max())
     for _ in range(cfg.inner_epochs):
         order = steps[torch.randperm(len(steps), generator=gen)]
         for start in range(0, len(order), cfg.steps_per_update):
             window = order[start : start + cfg.steps_per_update].tolist()
             cond, cond_step = None, None
-            for i, r, weight, sync in micro_batches(window, keep, cfg.batch_size, n_rows, s.dist.world):
+            units = micro_batches(window, keep, cfg.batch_size, n_rows, s.dist.world, chunks)
+            for i, r, weight, sync in units:
                 if i != cond_step:  # under grad: the text encoder may train
                     cond, cond_step = model.encode(prompts), i
                 with s.dist.accumulating(sync):
                     out = step_loss(s, ro, adv, prompts, cond, group, r, i, weight)
-                if not len(keep):  # a zero-weight pass of a rank without rows: no statistics
+                if weight == 0:  # a zero-weight pass (a rank without rows, or FSDP's padding): no statistics
                     continue
                 if first_dev is None:  # before any optimizer step: exactly 1 (same model, same geometry)
                     first_dev = out["stats/ratio_maxdev"]
@@ -172,13 +176,13 @@ def ppo_update(s: Session, ro, adv, prompts, group, keep, gen) -> dict:
     out["stats/optimizer_steps"] = updates
     if first_dev is not None:
         out["stats/first_ratio_maxdev"] = first_dev
-    if s.dist.world > 1:  # every rank must hold the same weights
+    if s.dist.world > 1 and not s.dist.sharded:  # every rank must hold the same weights (FSDP: its shards)
         flat = torch.cat([p.detach().reshape(-1) for p in s.params])[None]
         out["dist/param_maxdiff"] = (s.dist.gather_rows(flat) - flat).abs().max().item()
     return out
 
 
-def micro_batches(window: list[int], keep, batch_size: int, n_rows: int, world: int):
+def micro_batches(window: list[int], keep, batch_size: int, n_rows: int, world: int, chunks: int = 0):
     """``(step, rows, weight, sync)`` of one optimizer step's micro-batches on this rank: each trained
     step of ``window`` × chunks of ``batch_size`` kept rows. ``sync`` marks the last one (its backward
     all-reduces the accumulated gradients).
@@ -186,7 +190,9 @@ def micro_batches(window: list[int], keep, batch_size: int, n_rows: int, world: 
     ``weight = |rows| / n_rows / |window| · world``: ``n_rows`` counts the kept rows of every rank, so
     the weights of all ranks' micro-batches sum to 1, and DDP's average over ranks (a division by
     ``world``) turns the ``· world`` back into the sum. A rank without kept rows still runs one
-    zero-weight pass on row 0, so that every rank joins the all-reduce.
+    zero-weight pass on row 0, so that every rank joins the all-reduce. ``chunks`` (FSDP, where
+    every forward pass gathers weights collectively): the row chunks of the busiest rank; zero-weight
+    passes pad this rank's micro-batches to ``|window| · chunks``.
     """
     units = [
         (i, keep[lo : lo + batch_size], len(keep[lo : lo + batch_size]) / n_rows / len(window) * world)
@@ -195,6 +201,7 @@ def micro_batches(window: list[int], keep, batch_size: int, n_rows: int, world: 
     ]
     if not units:
         units = [(window[0], torch.zeros(1, dtype=torch.long), 0.0)]
+    units += [(window[-1], torch.zeros(1, dtype=torch.long), 0.0)] * (len(window) * chunks - len(units))
     return [(i, r, weight, k == len(units) - 1) for k, (i, r, weight) in enumerate(units)]
 
 
@@ -227,12 +234,26 @@ def step_loss(s: Session, ro, adv, prompts, cond, group, r, i: int, weight: floa
     }
 
 
-def evaluated(s: Session, log: RunLog, iteration: int, tag: str | None) -> dict:
-    """``evaluate_policy``'s scores; its image grids go to the tracker if it takes images."""
-    grids = {} if log.wants_images else None
+def evaluated(s: Session, log: RunLog | None, iteration: int, tag: str | None) -> dict:
+    """``evaluate_policy``'s scores; its image grids go to the tracker if it takes images. ``log`` is
+    None off rank 0 (FSDP: every rank evaluates, rank 0 writes)."""
+    grids = {} if log is not None and log.wants_images else None
     scores = evaluate_policy(s, tag, grids)
-    log.log_images(iteration, grids)
+    if log is not None:
+        log.log_images(iteration, grids)
     return scores
+
+
+def end_iteration(s: Session, log: RunLog | None, metrics: dict, done: int, last: bool, t0: float):
+    """Evaluate (rank 0; FSDP: every rank, its passes are collectives), log (rank 0) and save."""
+    cfg = s.cfg
+    if (s.dist.is_main or s.dist.sharded) and ((cfg.eval_every and done % cfg.eval_every == 0) or last):
+        metrics.update(evaluated(s, log, done, "after" if last else None))
+    if log is not None:
+        timings = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("time/")]}
+        log.log(done, metrics, {"time/iteration_s": time.time() - t0, **timings})
+    if done % cfg.save_every == 0 or last:
+        s.save(done)  # rank 0 writes (FSDP: every rank gathers)
 
 
 def train(
@@ -244,15 +265,17 @@ def train(
     """
     s = build_session(cfg, resume, model=model, reward=reward)
     ensure_psi(s)  # DenseGRPO: calibrate ψ with the initial policy before the first iteration
-    main = s.dist.is_main  # rank 0 alone evaluates and writes the run directory
+    main = s.dist.is_main  # rank 0 alone evaluates (FSDP: every rank) and writes the run directory
     interrupted = {"flag": False}
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
     t_start = time.time()
     resumed_at = s.start_iteration if resume else None
     log = RunLog(s.run_dir, resumed_at, cfg.log_with, asdict(cfg)) if main else None
     try:
-        if s.start_iteration == 0 and main:
-            log.log(0, evaluated(s, log, 0, "start"))
+        if s.start_iteration == 0 and (main or s.dist.sharded):
+            scores = evaluated(s, log, 0, "start")
+            if main:
+                log.log(0, scores)
         its = range(s.start_iteration, cfg.iterations)
         bar = tqdm(
             its,
@@ -270,14 +293,9 @@ def train(
             out_of_time = bool(cfg.max_minutes) and (time.time() - t_start) / 60 >= cfg.max_minutes
             stop = done == cfg.iterations or interrupted["flag"] or out_of_time
             last = s.dist.sum_(torch.tensor(float(stop))).item() > 0  # any rank stopping stops all
+            end_iteration(s, log, metrics, done, last, t0)
             if main:
-                if (cfg.eval_every and done % cfg.eval_every == 0) or last:
-                    metrics.update(evaluated(s, log, done, "after" if last else None))
-                timings = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("time/")]}
-                log.log(done, metrics, {"time/iteration_s": time.time() - t0, **timings})
                 bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}"})
-                if done % cfg.save_every == 0 or last:
-                    s.save(done)
             s.dist.barrier()
             if last:
                 break
@@ -285,7 +303,8 @@ def train(
         signal.signal(signal.SIGINT, previous)
         if log is not None:
             log.close()
-    if not main:
-        return {}
-    plot_curves(s.run_dir)
-    return final_artifacts(s, time.time() - t_start)
+    with s.dist.unsharded(s.model):  # FSDP: rank 0 exports the gathered weights
+        if not main:
+            return {}
+        plot_curves(s.run_dir)
+        return final_artifacts(s, time.time() - t_start)

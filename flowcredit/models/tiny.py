@@ -162,7 +162,7 @@ class TinyFlowModel(FlowModelBase):
         """Encode ``B`` prompts plus the null caption in one text-encoder pass (current grad mode)."""
         ids, mask = self.tokenizer([*prompts, ""])  # (B + 1, L)
         ids, mask = ids.to(self.device), mask.to(self.device)
-        tokens, pooled = self.net.text(ids, mask)  # (B + 1, L, D), (B + 1, P)
+        tokens, pooled = self.net(ids, mask=mask)  # the text encoder: (B + 1, L, D), (B + 1, P)
         B = len(prompts)
         null = TextCond(tokens[B:], mask[B:], pooled[B:])
         return TextCond(tokens[:B], mask[:B], pooled[:B], null)

@@ -227,11 +227,17 @@ class TinyNet(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        sigma: torch.Tensor,
-        tokens: torch.Tensor,
-        mask: torch.Tensor,
-        pooled: torch.Tensor,
-    ) -> torch.Tensor:
+        sigma: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        pooled: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``(x, sigma, tokens, mask, pooled)`` → the U-Net's velocity; ``(ids, mask=mask)`` alone →
+        the text encoder's ``(tokens, pooled)``. Both go through this one entry point so that a
+        wrapper of the whole network sees every call (FSDP2 gathers the root's weights in the root's
+        forward, and requires the root to run first)."""
+        if sigma is None:
+            return self.text(x, mask)
         return self.unet(x, sigma, tokens, mask, pooled)
 
     def enable_gradient_checkpointing(self) -> None:

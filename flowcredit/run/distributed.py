@@ -10,6 +10,15 @@ identity: the single-process path is plain PyTorch.
 
 Only the update's policy passes run through the wrapper (:meth:`Dist.wrapped_net`): rollouts,
 value completions and evaluation call the plain network, which holds the same parameters.
+
+FSDP (``accelerate launch --config_file configs/fsdp.yaml``): accelerate shards the network in place
+with FSDP2 (``fully_shard`` on each of the adapter's ``fsdp_block_classes``, then the root), so every
+forward pass is a collective: under :attr:`Dist.sharded` every rank runs the same passes (evaluation
+included), and the checkpoint, the EMA and the export gather full tensors with
+:mod:`flowcredit.run.sharding`. accelerate cannot shard on CPUs (it drops its FSDP plugin with
+``cpu=True``); the tests shard with torch's own ``fully_shard`` instead, through the test-only
+environment variable ``FLOWCREDIT_TEST_FULLY_SHARD=1`` (:func:`_fully_shard`, gloo on 2 CPU
+processes).
 """
 
 from __future__ import annotations
@@ -21,6 +30,9 @@ import warnings
 import torch
 
 from flowcredit.errors import UserError
+from flowcredit.run.sharding import meta_twin
+
+TEST_SHARD_ENV = "FLOWCREDIT_TEST_FULLY_SHARD"  # tests only: shard with torch's fully_shard (no accelerate)
 
 
 def fsdp_requested() -> bool:
@@ -36,6 +48,8 @@ class Dist:
         self.rank = 0
         self.accelerator = None
         self.net: torch.nn.Module | None = None  # the prepared (DDP / FSDP) network; None: no wrapper
+        self.twin: torch.nn.Module | None = None  # FSDP: a plain copy on the meta device, for the export
+        self.test_shard = os.environ.get(TEST_SHARD_ENV) == "1"
         if self.world > 1 or fsdp_requested():
             from accelerate import Accelerator, DistributedDataParallelKwargs
 
@@ -49,23 +63,59 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def prepare(self, net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    @property
+    def sharded(self) -> bool:
+        """FSDP: the network's weights are ``DTensor`` shards, and every forward pass is a collective."""
+        return self.accelerator is not None and (fsdp_requested() or self.test_shard)
+
+    def prepare(
+        self, net: torch.nn.Module, optimizer: torch.optim.Optimizer, blocks: tuple[str, ...] = ()
+    ) -> torch.optim.Optimizer:
         """Hand ``net`` (the adapter's trained network) and its optimizer to ``Accelerator.prepare``;
-        returns the optimizer to step. Identity without an accelerator. An FSDP launch config is
-        refused: the checkpoint, the EMA and the final export read plain tensors on rank 0, and
-        gathering sharded ones is not written yet (the adapter's ``fsdp_block_classes`` are ready
-        for it: accelerate's FSDP2 wrap policy picks them, tests/test_adapters_diffusers.py)."""
+        returns the optimizer to step. Identity without an accelerator. Under FSDP, ``blocks`` (the
+        adapter's ``fsdp_block_classes``) are the units to shard unless the launch config names
+        its own (``fsdp_transformer_layer_cls_to_wrap``); the optimizer must hold no state yet (a
+        checkpoint is restored after sharding, into the shards)."""
         if self.accelerator is None:
             return optimizer
-        if fsdp_requested():
-            raise UserError(
-                "FSDP launch config: the trainer cannot yet gather FSDP-sharded weights for its "
-                "checkpoints and final export (docs/gpu.md, 'Several GPUs'); use configs/ddp.yaml"
-            )
+        if self.sharded:
+            from accelerate.utils import DistributedType
+
+            if not self.test_shard and self.accelerator.distributed_type != DistributedType.FSDP:
+                raise UserError(
+                    "FSDP launch config without GPUs: accelerate does not shard on CPUs (it drops its "
+                    "FSDP plugin with cpu=True); use configs/ddp.yaml, or torchrun on CPUs (docs/gpu.md)"
+                )
+            self.twin = meta_twin(net)
+            if self.test_shard:
+                self.net = _fully_shard(net, optimizer, blocks)
+                return optimizer
+            plugin = self.accelerator.state.fsdp_plugin
+            if plugin.transformer_cls_names_to_wrap is None and blocks:
+                plugin.transformer_cls_names_to_wrap = list(blocks)
+            self.net, optimizer = self.accelerator.prepare(net, optimizer)
+            return optimizer
         with warnings.catch_warnings():  # torch renames broadcast_buffers; accelerate passes the old name
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
             self.net, optimizer = self.accelerator.prepare(net, optimizer)
         return optimizer
+
+    @contextlib.contextmanager
+    def unsharded(self, model):
+        """Within the context, on rank 0, ``model.net`` is a plain network holding every gathered weight
+        (CPU), for the export (the adapter's ``save_final``, ``Policy.trainable_state``); other ranks
+        only take part in the gathering. Without FSDP: nothing changes. Every rank enters it."""
+        if not self.sharded:
+            yield
+            return
+        from flowcredit.run.sharding import gathered_twin
+
+        plain, twin = model.net, gathered_twin(model.net, self.twin)
+        model.net = twin if twin is not None else plain
+        try:
+            yield
+        finally:
+            model.net = plain
 
     @contextlib.contextmanager
     def wrapped_net(self, model):
@@ -85,6 +135,8 @@ class Dist:
         ``sync`` (the optimizer step's last micro-batch on this rank)."""
         if self.net is None or sync:
             return contextlib.nullcontext()
+        if self.sharded:  # what accelerate's no_sync does for FSDP2, also for the test's fully_shard
+            return _no_gradient_sync(self.net)
         return self.accelerator.no_sync(self.net)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -97,7 +149,8 @@ class Dist:
         """Clip the (already reduced) gradients; returns the norm before clipping."""
         if self.accelerator is None:
             return torch.nn.utils.clip_grad_norm_(params, max_norm).item()
-        return float(self.accelerator.clip_grad_norm_(params, max_norm))
+        norm = self.accelerator.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
 
     def barrier(self) -> None:
         if self.accelerator is not None:
@@ -114,3 +167,31 @@ class Dist:
         if self.world == 1:
             return tensor
         return self.accelerator.gather(tensor.contiguous().to(self.accelerator.device)).to(tensor.device)
+
+
+@contextlib.contextmanager
+def _no_gradient_sync(net):
+    net.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        net.set_requires_gradient_sync(True)
+
+
+def _fully_shard(net: torch.nn.Module, optimizer: torch.optim.Optimizer, blocks: tuple[str, ...]):
+    """Test only (``FLOWCREDIT_TEST_FULLY_SHARD=1``): FSDP2 as accelerate applies it, with torch's
+    ``fully_shard`` on a 1-D CPU mesh: each module of a class in ``blocks``, then the root. The new
+    ``DTensor`` parameters replace the plain ones in ``optimizer`` (by name, as accelerate does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = {p: n for n, p in net.named_parameters()}
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for module in reversed(list(net.modules())[1:]):  # inner blocks before outer ones, as accelerate
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    sharded = dict(net.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [sharded[names[p]] for p in group["params"]]
+    return net

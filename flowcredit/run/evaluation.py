@@ -247,7 +247,7 @@ def evaluate_policy(s, tag: str | None, grids: dict | None = None) -> dict:
                 out[f"eval/test/{cat}/soft"], out[f"eval/test/{cat}/strict"] = row["soft"], row["strict"]
         if tag is not None or grids is not None:
             grid = _grid(s, res, metas)
-            if tag is not None:
+            if tag is not None and s.dist.is_main:  # FSDP: every rank evaluates, rank 0 writes
                 grid.save(s.run_dir / f"grid_{tag}_{name}.png")
             if grids is not None:
                 grids[f"eval/{name}"] = grid

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from flowcredit.errors import ConfigError, UserError
+from flowcredit.run.sharding import is_sharded, shard_like
 
 
 def lora_target_names(net: nn.Module, targets: str) -> list[str]:
@@ -99,7 +100,7 @@ class Policy:
             raise UserError(f"checkpoint lacks trainable parameters {missing[:3]}… (different train_params?)")
         with torch.no_grad():
             for name, value in state.items():
-                params[name].copy_(value)
+                params[name].copy_(shard_like(value, params[name]))  # FSDP: this rank's shard
 
     @contextmanager
     def reference(self):
@@ -127,9 +128,13 @@ class Policy:
         A merged layer is one plain convolution / matmul instead of three, about 1.6× faster here for
         value completions and evaluation. On exit the base weights are restored bit for bit from a
         copy (unmerging alone would leave round-off), so rollouts and updates, which run unmerged,
-        see exactly the weights they saw before. Training parameters other than LoRA: no-op.
+        see exactly the weights they saw before. Training parameters other than LoRA, or a sharded
+        network (FSDP2: peft cannot merge into ``DTensor`` shards): no-op, the layers run unmerged.
         """
         layers = [m for m in self._lora_layers() if hasattr(m, "base_layer")]
+        if any(is_sharded(m.base_layer.weight) for m in layers):
+            yield
+            return
         backups = [m.base_layer.weight.detach().clone() for m in layers]
         with torch.no_grad():
             for m in layers:

@@ -25,6 +25,7 @@ from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_che
 from flowcredit.run.distributed import Dist
 from flowcredit.run.policy import EMA, Policy
 from flowcredit.run.rollout import Batch, draw_batch, noise_levels
+from flowcredit.run.sharding import full_dict, full_optimizer_state, shard_like, shard_optimizer_state
 from flowcredit.sde import SAMPLERS, StepFn
 from flowcredit.tasks.prompt_sets import PROMPT_WEIGHTS, load_prompt_set
 
@@ -107,24 +108,33 @@ class Session:
         return self.model.guidance_passes
 
     def save(self, iteration: int) -> None:
-        """Atomic checkpoint of everything a resume needs."""
+        """Atomic checkpoint of everything a resume needs, written by rank 0. Under FSDP every rank
+        calls it (the full tensors are gathered collectively); the files are a 1-process run's."""
+        if not (self.dist.is_main or self.dist.sharded):
+            return
         ema = None if self.ema is None else {f"{i:05d}": t for i, t in enumerate(self.ema.shadow)}
+        trainable, optimizer = self.policy.trainable_state(), self.optimizer.state_dict()
+        if self.dist.sharded:
+            trainable, optimizer = full_dict(trainable), full_optimizer_state(optimizer)
+            ema = None if ema is None else full_dict(ema)
+        if not self.dist.is_main:
+            return
         extra = {"psi": None if self.psi is None else self.psi.tolist(), "history": self.history}
         save_checkpoint(
-            self.run_dir,
-            iteration=iteration,
-            trainable=self.policy.trainable_state(),
-            optimizer=self.optimizer.state_dict(),
-            ema=ema,
-            extra=extra,
+            self.run_dir, iteration=iteration, trainable=trainable, optimizer=optimizer, ema=ema, extra=extra
         )
 
     def restore(self, state: dict) -> None:
+        """Load a checkpoint (full tensors, read by every rank) into the prepared network, optimizer
+        and EMA: each rank keeps its shards under FSDP."""
         self.policy.load_trainable_state(state["trainable"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = state["optimizer"]
+        if self.dist.sharded:
+            optimizer = shard_optimizer_state(self.optimizer, optimizer)
+        self.optimizer.load_state_dict(optimizer)
         if self.ema is not None and state["ema"] is not None:
             for shadow, name in zip(self.ema.shadow, sorted(state["ema"])):
-                shadow.copy_(state["ema"][name])
+                shadow.copy_(shard_like(state["ema"][name], shadow))
         extra = state["extra"]
         self.psi = torch.tensor(extra["psi"]) if extra.get("psi") is not None else None
         self.history = extra.get("history", {})
@@ -183,7 +193,7 @@ def build_session(
         model=model,
         policy=policy,
         optimizer=torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
-        ema=EMA(params, cfg.ema_decay) if cfg.ema_decay else None,
+        ema=None,
         reward=reward or build_reward(cfg, cfg.reward),
         sigmas=model.sigmas(cfg.num_steps, cfg.shift),
         trained=noise_levels(cfg, None)[1],
@@ -191,6 +201,9 @@ def build_session(
         eval_metas=load_prompt_set(cfg.eval_prompts, cfg.num_eval_prompts, True, eval_shapes),
         eval_reward=build_reward(cfg, cfg.eval_reward, named_only=True) if cfg.eval_reward else None,
     )
+    # FSDP2 replaces the parameters by DTensor shards: the EMA and the restore come after prepare
+    s.optimizer = dist.prepare(model.net, s.optimizer, model.fsdp_block_classes)
+    s.ema = EMA(s.params, cfg.ema_decay) if cfg.ema_decay else None
     ckpt = find_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise UserError(f"--resume {str(run_dir)!r}: no checkpoint in that run directory")
@@ -200,7 +213,6 @@ def build_session(
         s.psi = read_psi(cfg.psi_path, cfg.num_steps)
     if s.psi is not None:
         write_psi(s)
-    s.optimizer = dist.prepare(model.net, s.optimizer)  # after the restore: a plain optimizer state
     return s
 
 
