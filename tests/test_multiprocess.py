@@ -23,22 +23,27 @@ TRAIN += "--eval_samples_per_prompt 1 --eval_every 0 --num_steps 5 --batch_size 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-def _run(cmd: list[str]) -> None:
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+def _run(cmd: list[str], extra_env: dict | None = None) -> None:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", **(extra_env or {})}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def two_process_runs(root, env: dict | None = None, extra: tuple[str, ...] = ()):
+    """``root/two``: 2 processes, 2 iterations; ``root/resumed``: 2 processes stopped after 1,
+    resumed to 2 (``env``, ``extra``: more environment and arguments, e.g. test_fsdp.py's sharding)."""
+    train = ["-m", "flowcredit", "train"]
+    _run([*TORCHRUN, *train, "--run_dir", str(root / "two"), "--iterations", "2", *TRAIN, *extra], env)
+    _run([*TORCHRUN, *train, "--run_dir", str(root / "resumed"), "--iterations", "1", *TRAIN, *extra], env)
+    _run([*TORCHRUN, *train, "--resume", str(root / "resumed"), "--iterations", "2"], env)
+    return root
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """``two``: 2 processes, 2 iterations; ``resumed``: 2 processes stopped after 1, resumed to 2;
-    ``one``: 1 process, 2 iterations."""
-    root = tmp_path_factory.mktemp("multiprocess")
-    train = [sys.executable, "-m", "flowcredit", "train"]
-    _run([*TORCHRUN, *train[1:], "--run_dir", str(root / "two"), "--iterations", "2", *TRAIN])
-    _run([*TORCHRUN, *train[1:], "--run_dir", str(root / "resumed"), "--iterations", "1", *TRAIN])
-    _run([*TORCHRUN, *train[1:], "--resume", str(root / "resumed"), "--iterations", "2"])
-    _run([*train, "--run_dir", str(root / "one"), "--iterations", "2", "--threads", "1", *TRAIN])
+def runs(tmp_path_factory, one_process_run):
+    """``two`` and ``resumed`` (:func:`two_process_runs`, DDP); ``one``: the 1-process run."""
+    root = two_process_runs(tmp_path_factory.mktemp("multiprocess"))
+    (root / "one").symlink_to(one_process_run)
     return root
 
 

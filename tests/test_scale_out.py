@@ -162,11 +162,44 @@ def wandb_records(path: Path) -> list:
     return out
 
 
-def test_an_fsdp_launch_is_refused_with_a_clear_error(monkeypatch):
+def test_an_fsdp_launch_on_cpus_is_refused_with_a_clear_error(monkeypatch):
+    """accelerate drops its FSDP plugin with ``cpu=True``: the trainer says so instead of running DDP."""
     from flowcredit.errors import UserError
     from flowcredit.run.distributed import Dist
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` with configs/fsdp.yaml sets
     net = torch.nn.Linear(2, 2)
-    with pytest.raises(UserError, match="FSDP.*configs/ddp.yaml"):
+    with pytest.raises(UserError, match="FSDP.*CPUs.*configs/ddp.yaml"):
         Dist().prepare(net, torch.optim.AdamW(net.parameters()))
+
+
+@pytest.mark.parametrize("named", [None, ["TextBlock"]])
+def test_an_fsdp_launch_hands_the_adapter_blocks_to_accelerate(monkeypatch, named):
+    """On GPUs ``Dist.prepare`` gives accelerate's FSDP2 plugin the adapter's ``fsdp_block_classes``
+    unless the launch config names its own, and keeps a plain twin of the network on the meta device
+    for the export (accelerate's own sharding needs GPUs: a stand-in accelerator records the call)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from flowcredit.run.distributed import Dist
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, transformer_cls_names_to_wrap=named)
+    seen = {}
+
+    class Accelerator:
+        distributed_type = DistributedType.FSDP
+        state = type("State", (), {"fsdp_plugin": plugin})()
+
+        def prepare(self, net, optimizer):
+            seen["blocks"] = plugin.transformer_cls_names_to_wrap
+            return net, optimizer
+
+    model = load_builtin()
+    dist = Dist()
+    dist.accelerator = Accelerator()
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert dist.sharded
+    dist.prepare(model.net, torch.optim.AdamW(model.net.parameters()), model.fsdp_block_classes)
+    assert seen["blocks"] == (named or ["ResBlock"])
+    twin = dict(dist.twin.named_parameters())
+    assert list(twin) == [n for n, _ in model.net.named_parameters()]
+    assert {p.device.type for p in twin.values()} == {"meta"}

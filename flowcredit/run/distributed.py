@@ -89,11 +89,16 @@ class Dist:
             self.twin = meta_twin(net)
             if self.test_shard:
                 self.net = _fully_shard(net, optimizer, blocks)
-                return optimizer
-            plugin = self.accelerator.state.fsdp_plugin
-            if plugin.transformer_cls_names_to_wrap is None and blocks:
-                plugin.transformer_cls_names_to_wrap = list(blocks)
-            self.net, optimizer = self.accelerator.prepare(net, optimizer)
+            else:
+                plugin = self.accelerator.state.fsdp_plugin
+                if plugin.transformer_cls_names_to_wrap is None and blocks:
+                    plugin.transformer_cls_names_to_wrap = list(blocks)
+                self.net, optimizer = self.accelerator.prepare(net, optimizer)
+            # FSDP2 keeps the root (and accelerate's tail unit) unsharded after a forward pass by
+            # default, and the module then holds plain copies of those weights until the next
+            # backward: the EMA swap, the checkpoint and a restore would read or write stale copies
+            # after a no-grad pass (rollout, evaluation). Resharding after every pass avoids that.
+            self.net.set_reshard_after_forward(True)
             return optimizer
         with warnings.catch_warnings():  # torch renames broadcast_buffers; accelerate passes the old name
             warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
