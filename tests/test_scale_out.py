@@ -191,6 +191,7 @@ def test_an_fsdp_launch_hands_the_adapter_blocks_to_accelerate(monkeypatch, name
 
         def prepare(self, net, optimizer):
             seen["blocks"] = plugin.transformer_cls_names_to_wrap
+            net.set_reshard_after_forward = lambda *flag: seen.update(reshard=flag)  # an FSDPModule's
             return net, optimizer
 
     model = load_builtin()
@@ -199,7 +200,7 @@ def test_an_fsdp_launch_hands_the_adapter_blocks_to_accelerate(monkeypatch, name
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     assert dist.sharded
     dist.prepare(model.net, torch.optim.AdamW(model.net.parameters()), model.fsdp_block_classes)
-    assert seen["blocks"] == (named or ["ResBlock"])
+    assert seen["blocks"] == (named or ["ResBlock"]) and seen["reshard"] == (True,)
     twin = dict(dist.twin.named_parameters())
     assert list(twin) == [n for n, _ in model.net.named_parameters()]
     assert {p.device.type for p in twin.values()} == {"meta"}
