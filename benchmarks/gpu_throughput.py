@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_d
 
 from tiny_diffusers import _clip_config, _t5, tokenizer  # noqa: E402
 
-from flowcredit.config import COMPARED_PRESETS, load_config  # noqa: E402
 from flowcredit.models.diffusers_common import default_device, resolve_dtype  # noqa: E402
 from flowcredit.models.sd3 import SD3FlowModel  # noqa: E402
+from flowcredit.presets import COMPARED_PRESETS, load_config  # noqa: E402
 from flowcredit.run.session import build_session  # noqa: E402
 from flowcredit.train import grpo_iteration  # noqa: E402
 

@@ -16,7 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
-from flowcredit.config import load_config
+from flowcredit.presets import load_config
 from flowcredit.run.runlog import read_metrics
 from flowcredit.train import train
 

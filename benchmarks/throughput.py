@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from flowcredit.commands import bench
-from flowcredit.config import COMPARED_PRESETS, load_config
 from flowcredit.models.tiny import load_builtin
+from flowcredit.presets import COMPARED_PRESETS, load_config
 from flowcredit.run.policy import Policy
 from flowcredit.run.rollout import chunked_velocity
 from flowcredit.run.session import build_session

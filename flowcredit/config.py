@@ -1,8 +1,8 @@
-"""The one training configuration: a typed dataclass, a one-line doc per field, presets as functions.
+"""The one training configuration: a typed dataclass with a one-line doc per field.
 
 ``validate`` rejects unknown keys, bad values and inconsistent combinations with a message naming
-the field (it never silently corrects input). ``load_config`` merges a preset, a YAML file and
-``--key value`` overrides, in that order.
+the field (it never silently corrects input); ``apply_overrides`` applies ``--key value`` pairs.
+The presets and ``load_config`` (preset → YAML → overrides) are in :mod:`flowcredit.presets`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import importlib
 import importlib.util
 import json
 import typing
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +158,7 @@ class Config:
     steps_per_update: int = 3
     """Trained steps accumulated per optimizer step."""
     ema_decay: float = 0.0
-    """EMA of trainable weights used for evaluation (0: off)."""
+    """EMA of trainable weights used for evaluation and the final export (0: off)."""
     skip_bad_rewards: bool = False
     """Drop groups with NaN/inf rewards (counted) instead of stopping with an error."""
     # --- video, and evaluation settings apart from training's ---
@@ -396,144 +395,6 @@ def trained_window(cfg: Config) -> tuple[int, int]:
     """(w, K) of the SDE window: ``window_size`` 0 means every step from w but the last."""
     size = cfg.window_size or cfg.num_steps - 1 - cfg.window_start
     return cfg.window_start, size
-
-
-# --- presets (plain functions; each documented in docs/training.md) ---
-
-
-def flow_grpo() -> Config:
-    """Flow-GRPO: Flow-SDE a = 0.7, terminal reward on every trained step."""
-    return Config(sampler="flow_sde", noise_level=0.7, credit="flow_grpo")
-
-
-def dense_grpo() -> Config:
-    """DenseGRPO: Dance-SDE with calibrated per-step ψ, ode_remaining values, per-step z-scores."""
-    return Config(
-        sampler="dance_sde", noise_level=0.5, credit="dense", estimator="ode_remaining", calibrate=True
-    )
-
-
-def stepwise_grpo() -> Config:
-    """Stepwise-Flow-GRPO: DDIM-like SDE, euler(5) values, joint normalisation of the gains that keeps
-    their signs (``center: false``), an initial noise per member (docs/algorithms.md §5.3)."""
-    return Config(
-        sampler="ddim_sde",
-        noise_level=0.7,
-        credit="stepwise",
-        credit_options='{"center": false}',
-        estimator="euler",
-        substeps=5,
-        shared_noise=False,
-        window_start=1,
-        window_size=8,
-    )
-
-
-def tp_grpo() -> Config:
-    """TP-GRPO: CPS α = 0.7 over an SDE window, ode_remaining values, turning points."""
-    return Config(
-        sampler="cps", noise_level=0.7, credit="turning_point", estimator="ode_remaining", window_size=8
-    )
-
-
-def demo() -> Config:
-    """The default CPU job (make demo): TP-GRPO credit (CPS α = 0.7 on steps 0–4, turning points) with
-    LoRA r = 4 on the built-in U-Net, 4 counting prompts × 12, lr 3e-4, 10 iterations (≈ 8 minutes
-    here). Of the four methods under this recipe it was the one whose held-out score never fell
-    below the noise floor over 3 seeds (docs/recipes.md); ``max_minutes`` is only a safety cap."""
-    from importlib import resources
-
-    prompts = str(resources.files("flowcredit") / "tasks" / "data" / "demo_prompts.jsonl")
-    return Config(
-        sampler="cps",
-        noise_level=0.7,
-        credit="turning_point",
-        estimator="ode_remaining",
-        train_prompts=prompts,
-        prompts_per_iter=4,
-        group_size=12,
-        window_size=5,
-        steps_per_update=1,
-        lr=3e-4,
-        iterations=10,
-        max_minutes=14.0,
-        eval_every=5,
-        num_eval_prompts=16,
-        eval_samples_per_prompt=8,
-    )
-
-
-def skill() -> Config:
-    """Held-out skill on the whole ShapeEval ``train`` split (docs/recipes.md, "Skill, not prompts"):
-    TP-GRPO credit (CPS α = 0.7 on the 5 layout steps 0–4), prompts drawn category-balanced, the reward
-    half soft and half strict (a surplus object fails the image), lr 1e-4 with a KL to the reference
-    (β = 0.04, Flow-GRPO's form), every held-out prompt evaluated; 60 iterations (≈ 64 CPU-minutes
-    at one thread, measured), capped at 60 minutes."""
-    return Config(
-        sampler="cps",
-        noise_level=0.7,
-        credit="turning_point",
-        estimator="ode_remaining",
-        train_prompts="train",
-        prompt_weights="category",
-        reward="shapes=0.5,shapes_strict=0.5",
-        prompts_per_iter=4,
-        group_size=12,
-        window_size=5,
-        steps_per_update=1,
-        lr=1e-4,
-        beta=0.04,
-        kl_mode="flow_grpo",
-        iterations=60,
-        max_minutes=60.0,
-        eval_every=25,
-        num_eval_prompts=0,
-        eval_samples_per_prompt=4,
-    )
-
-
-PRESETS: dict[str, Callable[[], Config]] = {}
-"""Every preset by name (``--preset``)."""
-
-COMPARED_PRESETS: list[str] = []
-"""The presets ``flowcredit bench`` compares by default: one per credit method's own recipe."""
-
-
-def register_preset(name: str, make: Callable[[], Config], compared: bool = True) -> None:
-    """Register ``make`` as ``--preset name``; ``compared``: include it in the bench's default list."""
-    if name in PRESETS:
-        raise ValueError(f"preset {name!r} is already registered")
-    PRESETS[name] = make
-    if compared:
-        COMPARED_PRESETS.append(name)
-
-
-register_preset("demo", demo, compared=False)
-register_preset("flow_grpo", flow_grpo)
-register_preset("dense_grpo", dense_grpo)
-register_preset("stepwise_grpo", stepwise_grpo)
-register_preset("tp_grpo", tp_grpo)
-register_preset("skill", skill, compared=False)
-
-
-def load_config(preset: str = "flow_grpo", yaml_path: str | None = None, overrides: list[str] | None = None):
-    """Preset → YAML file → ``--key value`` overrides, then :func:`validate`. Modules named by an
-    ``--imports`` override are imported first, so that they can register the preset itself."""
-    pairs = dict(zip((overrides or [])[::2], (overrides or [])[1::2]))
-    import_plugins(pairs.get("--imports", ""))
-    if preset not in PRESETS:
-        raise UserError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    cfg = PRESETS[preset]()
-    if yaml_path:
-        import yaml
-
-        if not Path(yaml_path).is_file():
-            raise UserError(f"--config {yaml_path!r}: no such file")
-        data = yaml.safe_load(Path(yaml_path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise UserError(f"{yaml_path}: expected a mapping of config keys")
-        cfg = from_dict(data, cfg)
-    return apply_overrides(cfg, overrides)
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:

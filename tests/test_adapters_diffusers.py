@@ -21,11 +21,12 @@ pytest.importorskip("peft")
 
 from tiny_diffusers import SIZE, build_flux, build_sd3, train_config  # noqa: E402
 
-from flowcredit.config import COMPARED_PRESETS, Config  # noqa: E402
+from flowcredit.config import Config  # noqa: E402
 from flowcredit.models.diffusers_common import LORA_WEIGHTS, PromptCond  # noqa: E402
 from flowcredit.models.flux import FluxFlowModel, image_ids, pack, unpack  # noqa: E402
 from flowcredit.models.protocol import FlowModel  # noqa: E402
 from flowcredit.models.sd3 import SD3FlowModel  # noqa: E402
+from flowcredit.presets import COMPARED_PRESETS  # noqa: E402
 from flowcredit.run.policy import Policy  # noqa: E402
 from flowcredit.run.session import configure_network  # noqa: E402
 

@@ -30,13 +30,13 @@ from tiny_diffusers import (  # noqa: E402
     train_config,
 )
 
-from flowcredit.config import COMPARED_PRESETS  # noqa: E402
 from flowcredit.models.diffusers_common import LORA_WEIGHTS  # noqa: E402
 from flowcredit.models.flux import pack, unpack  # noqa: E402
 from flowcredit.models.protocol import FlowModel  # noqa: E402
 from flowcredit.models.qwen_image import QwenImageFlowModel  # noqa: E402
 from flowcredit.models.wan import WanFlowModel  # noqa: E402
 from flowcredit.models.z_image import ZImageFlowModel  # noqa: E402
+from flowcredit.presets import COMPARED_PRESETS  # noqa: E402
 from flowcredit.run.policy import Policy  # noqa: E402
 
 pytestmark = pytest.mark.slow

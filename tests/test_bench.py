@@ -75,7 +75,7 @@ def test_ablations_and_budgets_are_planned():
         "tp_grpo-half_window",
     } < set(cells)
     assert {"stepwise_grpo-per_step_norm", "dense_grpo-uniform_noise", "dense_grpo-euler1"} < set(cells)
-    from flowcredit.config import load_config
+    from flowcredit.presets import load_config
 
     cfg = load_config("tp_grpo", None, cells["tp_grpo-half_window"]["overrides"])
     assert (cfg.window_size, cfg.max_minutes, cfg.lr, cfg.num_steps) == (2, 1.5, 3e-4, 5)  # quick: 4 → 2

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from flowcredit.commands import bench
-from flowcredit.config import load_config
 from flowcredit.errors import UserError
+from flowcredit.presets import load_config
 
 
 def _args(**kw):

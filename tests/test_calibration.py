@@ -136,7 +136,7 @@ def test_min_flips_must_be_positive():
 
 
 def test_config_calib_flips():
-    from flowcredit.config import load_config
+    from flowcredit.presets import load_config
 
     cfg = load_config("dense_grpo", None, [])
     assert cfg.calib_flips == 3 and cfg.calib_eps2 == 0.05 and cfg.calib_max_iters == 30

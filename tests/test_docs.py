@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from flowcredit.advantages import CREDITS
-from flowcredit.config import COMPARED_PRESETS
+from flowcredit.presets import COMPARED_PRESETS
 from flowcredit.sde import SAMPLER_ENTRIES
 from flowcredit.values import ESTIMATORS
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from flowcredit.commands import eval as eval_cmd
-from flowcredit.config import PRESETS, validate
+from flowcredit.config import validate
+from flowcredit.presets import PRESETS
 from flowcredit.rewards import get_reward
 from flowcredit.run import evaluation as ev
 

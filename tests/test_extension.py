@@ -10,9 +10,10 @@ import torch
 
 from flowcredit import advantages, sde
 from flowcredit.advantages import group_zscore, register_credit
-from flowcredit.config import from_dict, load_config, validate
+from flowcredit.config import from_dict, validate
 from flowcredit.errors import ConfigError
 from flowcredit.models import FlowModelBase, load_builtin
+from flowcredit.presets import load_config
 from flowcredit.sde import Sampler, register_sampler
 from flowcredit.train import train
 

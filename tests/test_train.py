@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from flowcredit.config import COMPARED_PRESETS, PRESETS, Config, from_dict, load_config, validate
+from flowcredit.config import Config, from_dict, validate
 from flowcredit.errors import UserError
+from flowcredit.presets import COMPARED_PRESETS, PRESETS, load_config
 from flowcredit.rewards.guard import RewardError
 from flowcredit.run.calibrate import ensure_psi
 from flowcredit.run.session import build_session

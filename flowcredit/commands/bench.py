@@ -29,8 +29,9 @@ from pathlib import Path
 
 from flowcredit.commands.bench_report import write_plots, write_table
 from flowcredit.commands.bench_stats import report
-from flowcredit.config import COMPARED_PRESETS, Config, demo, load_config, trained_window
+from flowcredit.config import Config, trained_window
 from flowcredit.errors import UserError
+from flowcredit.presets import COMPARED_PRESETS, demo, load_config
 
 QUICK = (
     "--iterations 2 --prompts_per_iter 2 --group_size 4 --num_steps 5 --window_size 0 "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from flowcredit.config import load_config
+from flowcredit.presets import load_config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from flowcredit.config import load_config
+from flowcredit.presets import load_config
 
 
 def main(argv: list[str] | None = None) -> int:

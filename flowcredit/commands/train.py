@@ -7,8 +7,9 @@ import argparse
 import json
 from pathlib import Path
 
-from flowcredit.config import PRESETS, Config, apply_overrides, from_dict, load_config
+from flowcredit.config import Config, apply_overrides, from_dict
 from flowcredit.errors import UserError
+from flowcredit.presets import PRESETS, load_config
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -11,15 +12,18 @@ from flowcredit.run.runlog import read_metrics
 
 
 def final_artifacts(s, elapsed: float) -> dict:
-    """Write ``final/`` (the trainable tensors, plus the adapter's own export), ``summary.json``, and
+    """Write ``final/`` (the trainable tensors, plus the adapter's own export; the EMA weights when
+    ``ema_decay`` is set), ``summary.json``, and
     print the summary of the run ``s`` (a ``flowcredit.run.session.Session``); returns the summary."""
     final = s.run_dir / "final"
     final.mkdir(exist_ok=True)
-    save_file(
-        {k: v.contiguous() for k, v in s.policy.trainable_state().items()},
-        str(final / "trainable.safetensors"),
-    )
-    s.model.save_final(s.policy, final)
+    # with ``ema_decay`` the exported weights are the EMA, the weights the evaluations measured
+    with s.ema.applied() if s.ema is not None else contextlib.nullcontext():
+        save_file(
+            {k: v.contiguous() for k, v in s.policy.trainable_state().items()},
+            str(final / "trainable.safetensors"),
+        )
+        s.model.save_final(s.policy, final)
     summary = run_summary(s, elapsed)
     (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary, s.cfg.credit, str(s.run_dir)))
