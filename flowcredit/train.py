@@ -303,8 +303,8 @@ def train(
         signal.signal(signal.SIGINT, previous)
         if log is not None:
             log.close()
-    with s.dist.unsharded(s.model):  # FSDP: rank 0 exports the gathered weights
-        if not main:
-            return {}
+    if not (main or s.dist.sharded):
+        return {}
+    if main:
         plot_curves(s.run_dir)
-        return final_artifacts(s, time.time() - t_start)
+    return final_artifacts(s, time.time() - t_start)  # FSDP: every rank gathers, rank 0 writes

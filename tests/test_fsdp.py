@@ -3,17 +3,21 @@
 accelerate cannot shard on CPUs (with ``cpu=True`` it drops its FSDP plugin), so these runs shard
 with torch's own ``fully_shard`` (gloo), through the test-only ``FLOWCREDIT_TEST_FULLY_SHARD=1``
 (``flowcredit.run.distributed._fully_shard``: each of the adapter's ``fsdp_block_classes``, then the
-root, as accelerate's FSDP2 plugin does). The runs are test_multiprocess.py's (same config, same
-1-process run), with an EMA on top.
+root, as accelerate's FSDP2 plugin does). The tiny model's runs are test_multiprocess.py's (same
+config, same 1-process run), with an EMA on top; a tiny SD3 pipeline trains LoRA sharded and not.
 """
 
 import json
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_multiprocess import _metrics, _weights, two_process_runs
+from test_multiprocess import TORCHRUN, _metrics, _run, _weights, two_process_runs
 
+from flowcredit.models import load_builtin
+from flowcredit.models.diffusers_common import LORA_WEIGHTS
+from flowcredit.run.policy import Policy
 from flowcredit.train import micro_batches
 
 SHARD = {"FLOWCREDIT_TEST_FULLY_SHARD": "1"}
@@ -29,13 +33,19 @@ def runs(tmp_path_factory, one_process_run):
     return root
 
 
+def _trained(run) -> dict:
+    """The trained weights (``final/`` holds the EMA when there is one)."""
+    return load_file(str(run / "checkpoint" / "trainable.safetensors"))
+
+
 @pytest.mark.slow
 def test_sharded_run_trains_the_one_process_weights(runs):
     """Measured here: 2.6e-5 to the 1-process run, the same as DDP's 2 processes on this machine
-    (2.61e-5; the weights of the DDP and the sharded runs differ by 8.8e-7). The 2 vs 1 difference
-    is float round-off (the text encoder sees 2 prompts per rank vs 3 rows in one batch, and Adam
-    magnifies near-zero gradients), not the sharding."""
-    two, one = _weights(runs / "two"), _weights(runs / "one")
+    (2.61e-5, above test_multiprocess.py's 1e-5; the DDP and the sharded weights differ by 8.8e-7).
+    The 2 vs 1 difference is round-off, not the sharding: e.g. the text encoder's pooled vector of
+    one prompt differs by 1.8e-7 between a batch of 2 rows (a rank: 1 prompt + the null caption) and
+    of 3 (2 prompts + null), and Adam magnifies such differences on near-zero gradients."""
+    two, one = _trained(runs / "two"), _trained(runs / "one")
     assert list(two) == list(one)
     assert max((two[k] - one[k]).abs().max().item() for k in one) <= 5e-5
     rewards = [x["reward/mean"] for x in _metrics(runs / "one") if "reward/mean" in x]
@@ -82,6 +92,15 @@ def test_sharded_files_are_the_one_process_files(runs):
         t.shape for t in trained.values()
     )  # full, not shards
     assert not any(torch.equal(e, t) for e, t in zip(ema.values(), trained.values()) if t.abs().max() > 0)
+    # the export holds the EMA weights, gathered after each rank swapped in its EMA shards
+    names = [
+        n
+        for n, p in Policy(load_builtin(), "lora", lora_targets="default").model.net.named_parameters()
+        if p.requires_grad
+    ]
+    exported = _weights(two)
+    assert sorted(names) == sorted(exported)
+    assert all(torch.equal(exported[n], ema[f"{i:05d}"]) for i, n in enumerate(names))
     model = load_file(str(two / "final" / "model.safetensors"))
     assert not any(marker in k for k in model for marker in ("_fsdp", "_orig_mod", "module.", "lora_"))
 
@@ -104,3 +123,42 @@ def test_sharded_ranks_pad_their_micro_batches_to_the_busiest():
     assert [(i, r.tolist(), w, s) for i, r, w, s in unpadded] == [
         (i, r.tolist(), w, s) for i, r, w, s in micro_batches([4, 1], keep, 2, n_rows=8, world=2, chunks=2)
     ]
+
+
+@pytest.fixture(scope="module")
+def sd3_runs(tmp_path_factory):
+    """A tiny SD3 pipeline (tests/tiny_diffusers.py) trained with LoRA for 2 iterations: ``two``
+    sharded on 2 processes (its ``JointTransformerBlock``s, then the root), ``one`` on 1 process."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    from tiny_diffusers import SIZE, build_sd3
+
+    root = tmp_path_factory.mktemp("fsdp_sd3")
+    prompts = root / "prompts.txt"
+    prompts.write_text("a red square\na photo of a cat\na big blue circle on the sign\na green triangle\n")
+    args = f"--model sd3 --checkpoint {build_sd3(root / 'sd3')} --resolution {SIZE} --dtype float32"
+    args += " --reward jpeg_compressibility --num_steps 4 --group_size 2 --prompts_per_iter 2 --batch_size 2"
+    args += f" --train_prompts {prompts} --eval_prompts {prompts} --num_eval_prompts 2 --eval_every 0"
+    args += " --eval_samples_per_prompt 1 --lora_rank 4 --lora_alpha 8 --global_std true --iterations 2"
+    train = ["-m", "flowcredit", "train", *args.split()]
+    _run([*TORCHRUN, *train, "--run_dir", str(root / "two")], SHARD)
+    _run([sys.executable, *train, "--run_dir", str(root / "one"), "--threads", "1"])
+    return root
+
+
+@pytest.mark.slow
+def test_sharded_sd3_lora_trains_and_exports_the_one_process_lora(sd3_runs):
+    """Measured 3.0e-8 between the sharded and the 1-process LoRA weights."""
+    from safetensors import safe_open
+
+    two, one = sd3_runs / "two" / "final", sd3_runs / "one" / "final"
+    for name in ("trainable.safetensors", LORA_WEIGHTS):
+        a, b = load_file(str(two / name)), load_file(str(one / name))
+        assert list(a) == list(b), name
+        assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5, name
+    meta_a, meta_b = (
+        json.loads(safe_open(str(d / LORA_WEIGHTS), "pt").metadata()["lora_adapter_metadata"])
+        for d in (two, one)
+    )
+    targets = "transformer.target_modules"  # a set in peft: its order is the hash seed's
+    assert sorted(meta_a.pop(targets)) == sorted(meta_b.pop(targets)) and meta_a == meta_b

@@ -12,22 +12,32 @@ from flowcredit.run.runlog import read_metrics
 
 
 def final_artifacts(s, elapsed: float) -> dict:
-    """Write ``final/`` (the trainable tensors, plus the adapter's own export; the EMA weights when
-    ``ema_decay`` is set), ``summary.json``, and
-    print the summary of the run ``s`` (a ``flowcredit.run.session.Session``); returns the summary."""
-    final = s.run_dir / "final"
-    final.mkdir(exist_ok=True)
-    # with ``ema_decay`` the exported weights are the EMA, the weights the evaluations measured
-    with s.ema.applied() if s.ema is not None else contextlib.nullcontext():
+    """Write ``final/`` (:func:`export_final`), ``summary.json``, and print the summary of the run
+    ``s`` (a ``flowcredit.run.session.Session``); returns the summary (``{}`` off rank 0). Every rank
+    calls it under FSDP (the export gathers the weights collectively), rank 0 alone otherwise."""
+    export_final(s)
+    if not s.dist.is_main:
+        return {}
+    summary = run_summary(s, elapsed)
+    (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_summary(summary, s.cfg.credit, str(s.run_dir)))
+    return summary
+
+
+def export_final(s) -> None:
+    """``final/``: the trainable tensors, plus the adapter's own export; the EMA weights when
+    ``ema_decay`` is set (the weights the evaluations measured). Under FSDP each rank swaps in its
+    EMA shards, then rank 0 writes the gathered weights (``Dist.unsharded``)."""
+    with s.ema.applied() if s.ema is not None else contextlib.nullcontext(), s.dist.unsharded(s.model):
+        if not s.dist.is_main:
+            return
+        final = s.run_dir / "final"
+        final.mkdir(exist_ok=True)
         save_file(
             {k: v.contiguous() for k, v in s.policy.trainable_state().items()},
             str(final / "trainable.safetensors"),
         )
         s.model.save_final(s.policy, final)
-    summary = run_summary(s, elapsed)
-    (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(format_summary(summary, s.cfg.credit, str(s.run_dir)))
-    return summary
 
 
 def run_summary(s, elapsed: float) -> dict:

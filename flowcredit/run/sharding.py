@@ -68,7 +68,9 @@ def shard_like(value: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def full_optimizer_state(state: dict) -> dict:
     """``optimizer.state_dict()`` with every sharded state tensor (Adam's moments) gathered: rank 0
     gets exactly a 1-process optimizer's state dict; other ranks get one without tensors."""
-    gathered = {pid: {key: full(value) for key, value in entries.items()} for pid, entries in state["state"].items()}
+    gathered = {
+        pid: {key: full(value) for key, value in entries.items()} for pid, entries in state["state"].items()
+    }
     if _rank() != 0:
         gathered = {pid: {k: v for k, v in e.items() if v is not None} for pid, e in gathered.items()}
     return {"state": gathered, "param_groups": state["param_groups"]}
@@ -91,7 +93,9 @@ def shard_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> dict
 def meta_twin(net: nn.Module) -> nn.Module:
     """A plain deep copy of ``net`` (before sharding) whose parameters live on the ``meta`` device
     (no memory), with the same names and ``requires_grad``; buffers are copied as they are."""
-    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in net.parameters()}
+    memo = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad) for p in net.parameters()
+    }
     return copy.deepcopy(net, memo)
 
 
