@@ -20,6 +20,9 @@ from flowcredit.train import micro_batches
 
 TRAIN = "--prompts_per_iter 2 --group_size 6 --num_train_prompts 4 --num_eval_prompts 2".split()
 TRAIN += "--eval_samples_per_prompt 1 --eval_every 0 --num_steps 5 --batch_size 6 --global_std true".split()
+ROUND_OFF = 1e-4
+"""Bound on the 2- vs 1-process weight difference: a tenth of one Adam step at the preset's lr 1e-3
+(a rank drawing its own noise differed by 1.2e-3)."""
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
@@ -69,12 +72,13 @@ def test_two_processes_keep_equal_weights_and_log_once(runs):
 @pytest.mark.slow
 def test_two_processes_train_the_one_process_weights(runs):
     """The process count does not change the result: every draw depends on the seed and the row
-    alone, and global_std sees the gathered batch. Measured 3.7e-7 here (the order of the gradient
-    sums differs); with batch_size 12 (one chunk of 12 rows vs 6 per rank) 1.2e-5, the matmuls'
-    rounding magnified by Adam."""
+    alone, and global_std sees the gathered batch, so the runs differ by round-off only (which rows
+    share a matmul, the order of the gradient sums), magnified by Adam on near-zero gradients.
+    Measured 3.7e-7 on one machine, 2.6e-5 on another (AVX-512/AMX kernels round batches of 2 and
+    3 rows differently); different noise per rank gave 1.2e-3."""
     two, one = _weights(runs / "two"), _weights(runs / "one")
     assert set(two) == set(one)
-    assert max((two[k] - one[k]).abs().max().item() for k in one) <= 1e-5
+    assert max((two[k] - one[k]).abs().max().item() for k in one) <= ROUND_OFF
     rewards = [x["reward/mean"] for x in _metrics(runs / "one") if "reward/mean" in x]
     assert rewards == pytest.approx([x["reward/mean"] for x in _metrics(runs / "two") if "reward/mean" in x])
 

@@ -113,6 +113,26 @@ def test_final_model_reloads_as_the_policy(tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_final_export_holds_the_ema_weights(tmp_path):
+    """With ``ema_decay`` the final weights are the EMA (what the evaluations measured), not the last
+    iterate; the checkpoint keeps both."""
+    from safetensors.torch import load_file
+
+    from flowcredit.run.checkpoint import load_checkpoint
+
+    cfg = small_config("flow_grpo", tmp_path / "run", iterations=2, lr=0.05, ema_decay=0.5)
+    train(cfg)
+    final = load_file(str(tmp_path / "run" / "final" / "trainable.safetensors"))
+    state = load_checkpoint(tmp_path / "run" / "checkpoint")
+    fresh = build_session(validate(from_dict({**vars(cfg), "run_dir": str(tmp_path / "r2")})), resume=False)
+    names = list(fresh.policy.trainable_state())  # parameter order, the EMA's (files sort their keys)
+    shadow = dict(zip(names, [state["ema"][k] for k in sorted(state["ema"])]))
+    assert sorted(final) == sorted(state["trainable"]) == sorted(shadow)
+    for name, got in final.items():
+        torch.testing.assert_close(got, shadow[name], rtol=0, atol=0)
+    assert any(not torch.equal(final[n], state["trainable"][n]) for n in final)
+
+
 def test_nan_reward_names_reward_and_prompt(tmp_path):
     cfg = small_config(
         "flow_grpo",
