@@ -28,3 +28,19 @@ def one_process_run(tmp_path_factory):
         ]
     )
     return run
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A reward server with a probe reward (tests/reward_serving.py), one per test module."""
+    from reward_serving import probe_server
+
+    with probe_server() as running:
+        yield running
+
+
+@pytest.fixture
+def served(server):
+    """The module's server with a fresh probe state: ``(probe, port)``."""
+    server.probe.__init__()
+    return server.probe, server.port

@@ -10,25 +10,11 @@ import time
 
 import pytest
 import torch
-from reward_serving import TOKEN, Probe, expected, probe_server, request
+from reward_serving import TOKEN, Probe, expected, request
 
 from flowcredit.rewards import get_reward
 from flowcredit.rewards.remote import RemoteRewardError, encode_png
 from flowcredit.rewards.server import Limits, main, start_server
-
-
-@pytest.fixture(scope="module")
-def server():
-    with probe_server() as running:
-        yield running
-
-
-@pytest.fixture
-def served(server):
-    """The module's server with a fresh probe state: ``(probe, port)``."""
-    server.probe.__init__()
-    return server.probe, server.port
-
 
 # --- the client -----------------------------------------------------------------------------------
 

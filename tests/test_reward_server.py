@@ -12,24 +12,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from reward_serving import TOKEN, Probe, expected, payload, probe_server, raw_exchange, request
+from reward_serving import TOKEN, Probe, expected, payload, raw_exchange, request
 
 from flowcredit.rewards import get_reward
 from flowcredit.rewards.server import Limits, start_server
-
-
-@pytest.fixture(scope="module")
-def server():
-    with probe_server() as running:
-        yield running
-
-
-@pytest.fixture
-def served(server):
-    """The module's server with a fresh probe state: ``(probe, port)``."""
-    server.probe.__init__()
-    return server.probe, server.port
-
 
 # --- the probes of issue 13 ---------------------------------------------------------------------
 

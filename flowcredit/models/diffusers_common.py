@@ -102,6 +102,22 @@ def decode_latents(vae, x: torch.Tensor, chunk: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def decode_wan_latents(vae, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Latents ``(B, C, F', h, w)`` of a Wan VAE (Wan2.1, Qwen-Image) → its decoded ``(B, 3, F, H, W)``
+    in [0, 1] on ``x.device``, un-scaled as the pipelines do (``z = x / (1 / std) + mean`` per
+    channel), ``chunk`` rows at a time."""
+    cfg, dev = vae.config, vae.device
+    mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1).to(dev)
+    inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1).to(dev)
+    out = []
+    with torch.no_grad():
+        for lo in range(0, x.shape[0], chunk):
+            z = x[lo : lo + chunk].to(dev, torch.float32) / inv_std + mean
+            video = vae.decode(z, return_dict=False)[0]  # (b, 3, F, H, W) in [-1, 1]
+            out.append((video.float() / 2 + 0.5).clamp(0, 1).to(x.device))
+    return torch.cat(out)
+
+
 def scheduler_sigmas(scheduler, num_steps: int, sigmas=None, image_seq_len: int = 0) -> torch.Tensor:
     """The ``(N + 1,)`` float32 schedule diffusers' pipeline uses: ``scheduler.set_timesteps`` on a fresh
     copy of ``scheduler`` (its shift, dynamic shifting, terminal stretch…), with FLUX's ``μ`` from

@@ -26,6 +26,7 @@ import torch
 
 from flowcredit.models.diffusers_common import (
     DiffusersFlowModel,
+    decode_wan_latents,
     image_size,
     pretrained_options,
     scheduler_sigmas,
@@ -131,17 +132,9 @@ class QwenImageFlowModel(DiffusersFlowModel):
         return unpack(v_cond, h, w).to(x.device)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Latents ``(B, C, h, w)`` → images ``(B, 3, H, W)`` float32 in [0, 1]."""
-        cfg, dev = self.vae.config, self.vae.device
-        mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1).to(dev)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1).to(dev)
-        out = []
-        with torch.no_grad():
-            for lo in range(0, x.shape[0], self.decode_chunk):
-                z = x[lo : lo + self.decode_chunk, :, None].to(dev, torch.float32) / inv_std + mean
-                image = self.vae.decode(z, return_dict=False)[0][:, :, 0]  # (b, 3, H, W) in [-1, 1]
-                out.append((image.float() / 2 + 0.5).clamp(0, 1).to(x.device))
-        return torch.cat(out)
+        """Latents ``(B, C, h, w)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (a one-frame clip of
+        the Wan VAE)."""
+        return decode_wan_latents(self.vae, x[:, :, None], self.decode_chunk)[:, :, 0]
 
     def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
         """``(N + 1,)`` float32, as ``QwenImagePipeline`` computes it: ``set_timesteps(sigmas=linspace(1,

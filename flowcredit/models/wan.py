@@ -26,6 +26,7 @@ import torch
 from flowcredit.models.diffusers_common import (
     DiffusersFlowModel,
     PromptCond,
+    decode_wan_latents,
     image_size,
     pretrained_options,
     scheduler_sigmas,
@@ -140,18 +141,9 @@ class WanFlowModel(DiffusersFlowModel):
         return v_neg + w * (v_cond - v_neg)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Latents ``(B, C, F', h, w)`` → clips ``(B, F, 3, H, W)`` float32 in [0, 1], un-scaled as the
-        pipeline does (``z = x / (1 / std) + mean`` per channel), ``decode_chunk`` clips at a time."""
-        cfg, dev = self.vae.config, self.vae.device
-        mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1).to(dev)
-        inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1).to(dev)
-        out = []
-        with torch.no_grad():
-            for lo in range(0, x.shape[0], self.decode_chunk):
-                z = x[lo : lo + self.decode_chunk].to(dev, torch.float32) / inv_std + mean
-                video = self.vae.decode(z, return_dict=False)[0]  # (b, 3, F, H, W) in [-1, 1]
-                out.append((video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4).to(x.device))
-        return torch.cat(out)
+        """Latents ``(B, C, F', h, w)`` → clips ``(B, F, 3, H, W)`` float32 in [0, 1],
+        ``decode_chunk`` clips at a time."""
+        return decode_wan_latents(self.vae, x, self.decode_chunk).permute(0, 2, 1, 3, 4)
 
     def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:
         """``(N + 1,)`` float32: ``scheduler.set_timesteps(N)`` as ``WanPipeline`` calls it (the checkpoint's
