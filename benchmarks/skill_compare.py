@@ -3,8 +3,9 @@
 Reads ``eval.json`` files written by ``flowcredit eval --out`` with the same prompts, samples per
 prompt and noise seeds (so every sample is paired with its own before), and prints per category and
 overall (the mean over categories, as GenEval) the strict and soft scores before and after, the
-change, the evaluation floor (std over the noise seeds of the overall score, as the run's own
-evaluation measures it) and a 95 % bootstrap interval of the paired change (prompts resampled within
+change, the mean over all images (where ``position``'s 40 prompts weigh most), the evaluation
+floor (std over the noise seeds of the overall score, as the run's own evaluation measures it) and
+a 95 % bootstrap interval of the paired change (prompts resampled within
 their category, 2,000 draws, fixed seed).
 
     .venv/bin/python benchmarks/skill_compare.py runs/skill/base-eval/eval.json \
@@ -67,6 +68,7 @@ def compare(base: dict, trained: dict, key: str) -> dict:
         "change": overall(a, cats) - overall(b, cats),
         "floor": max(floor(base, key), floor(trained, key)),
         "ci95": [lo, hi],
+        "per_image": {"before": float(b.mean()), "after": float(a.mean())},  # every image weighs alike
     }
 
 
@@ -94,6 +96,7 @@ def main() -> None:
                 f"\n{name} {key}: {r['before']:.3f} -> {r['after']:.3f} ({r['change']:+.3f}, "
                 f"floor ±{r['floor']:.3f}, 95% CI [{r['ci95'][0]:+.3f}, {r['ci95'][1]:+.3f}])"
             )
+            print(f"  per image     {r['per_image']['before']:.3f} -> {r['per_image']['after']:.3f}")
             for cat, c in r["categories"].items():
                 print(f"  {cat:<14}{c['before']:.3f} -> {c['after']:.3f} ({c['change']:+.3f})")
     if args.json:
