@@ -79,8 +79,9 @@ def skill() -> Config:
     Flow-GRPO credit (CPS α = 0.7 on the 5 layout steps 0–4), prompts drawn category-balanced, the
     reward 0.3 soft + 0.7 strict (a surplus object fails the image), lr 3e-4 with a KL to the
     reference (β = 0.04, Flow-GRPO's form), EMA 0.95 evaluated and exported, every held-out prompt
-    evaluated; 51 iterations (≈ 35 minutes at one thread, measured). Of the five recipes tried it
-    raised the held-out strict score most (+0.023, one seed), short of the issue's +0.05."""
+    evaluated; 51 iterations (≈ 30 minutes at one thread, measured). Of the seven recipes tried the
+    one with the best held-out strict score, and still no reliable gain: +0.023 and −0.016 on two
+    seeds, against the issue's +0.05."""
     return Config(
         sampler="cps",
         noise_level=0.7,
