@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from flowcredit.config import Config, apply_overrides, from_dict, import_plugins
+from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
+from flowcredit.validation import apply_overrides, import_plugins
 
 
 def flow_grpo() -> Config:

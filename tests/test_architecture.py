@@ -57,7 +57,7 @@ def test_the_graph_sees_imports():
     g = graph()
     assert "flowcredit.run.session" in g["flowcredit.train"]
     assert "flowcredit.train" in g["flowcredit.commands.train"]  # imported inside main()
-    assert "flowcredit.advantages" in g["flowcredit.config"]
+    assert "flowcredit.advantages" in g["flowcredit.validation"]
 
 
 def test_math_core_imports_only_torch_and_itself():

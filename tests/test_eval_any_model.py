@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from flowcredit.commands import eval as eval_cmd
-from flowcredit.config import validate
 from flowcredit.presets import PRESETS
 from flowcredit.rewards import get_reward
 from flowcredit.run import evaluation as ev
+from flowcredit.validation import validate
 
 PROMPTS = "a red square\na photo of a cat\n"
 

@@ -10,12 +10,13 @@ import torch
 
 from flowcredit import advantages, sde
 from flowcredit.advantages import group_zscore, register_credit
-from flowcredit.config import from_dict, validate
+from flowcredit.config import from_dict
 from flowcredit.errors import ConfigError
 from flowcredit.models import FlowModelBase, load_builtin
 from flowcredit.presets import load_config
 from flowcredit.sde import Sampler, register_sampler
 from flowcredit.train import train
+from flowcredit.validation import validate
 
 SMALL = dict(
     iterations=2,

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowcredit.config import Config, validate
+from flowcredit.config import Config
 from flowcredit.errors import ConfigError
 from flowcredit.models import FlowModelBase, load_builtin
 from flowcredit.run.policy import Policy
 from flowcredit.run.runlog import read_metrics
 from flowcredit.run.session import configure_network
+from flowcredit.validation import validate
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -5,13 +5,14 @@ import json
 import pytest
 import torch
 
-from flowcredit.config import Config, from_dict, validate
+from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
 from flowcredit.presets import COMPARED_PRESETS, PRESETS, load_config
 from flowcredit.rewards.guard import RewardError
 from flowcredit.run.calibrate import ensure_psi
 from flowcredit.run.session import build_session
 from flowcredit.train import grpo_iteration, train
+from flowcredit.validation import validate
 
 SMALL = dict(
     iterations=2,

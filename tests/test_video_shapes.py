@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from flowcredit.advantages import CREDITS
-from flowcredit.config import validate
 from flowcredit.models import FlowModelBase
 from flowcredit.presets import COMPARED_PRESETS, PRESETS
 from flowcredit.rewards import Reward, get_reward, score_frames, video_reward
 from flowcredit.run.evaluation import frame_strip, image_grid
 from flowcredit.run.rollout import rollout, state_values
 from flowcredit.sde import DEFAULT_LEVELS, SAMPLERS
+from flowcredit.validation import validate
 
 SHAPE = (4, 3, 4, 5)  # (C, F, H, W) of one clip latent
 

@@ -322,8 +322,9 @@ def train_config(preset: str, kind: str, ckpt, prompts, run_dir):
     (4 steps, 2 groups of 2, jpeg reward, β = 0.01); skips while the trainer cannot take it yet."""
     import pytest
 
-    from flowcredit.config import Config, validate
+    from flowcredit.config import Config
     from flowcredit.presets import PRESETS
+    from flowcredit.validation import validate
 
     fields = {f.name for f in dataclasses.fields(Config)}
     if kind == "flux" and "resolution" not in fields:

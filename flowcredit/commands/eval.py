@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowcredit.config import Config, from_dict, validate
+from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
 from flowcredit.models import load_model
 from flowcredit.rewards import uses_shapeeval
@@ -33,6 +33,7 @@ from flowcredit.run.evaluation import (
 from flowcredit.run.session import build_reward
 from flowcredit.tasks import shapes
 from flowcredit.tasks.prompt_sets import read_prompts
+from flowcredit.validation import validate
 
 
 def _common_args(p: argparse.ArgumentParser) -> None:

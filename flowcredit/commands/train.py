@@ -7,9 +7,10 @@ import argparse
 import json
 from pathlib import Path
 
-from flowcredit.config import Config, apply_overrides, from_dict
+from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
 from flowcredit.presets import PRESETS, load_config
+from flowcredit.validation import apply_overrides
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from flowcredit.advantages import CREDITS, Credit
-from flowcredit.config import Config, credit_options
+from flowcredit.config import Config
 from flowcredit.errors import ConfigError, UserError
 from flowcredit.models import FlowModel, check_adapter, load_model
 from flowcredit.rewards import Reward, get_reward, parse_mix, uses_shapeeval
@@ -28,6 +28,7 @@ from flowcredit.run.rollout import Batch, draw_batch, noise_levels
 from flowcredit.run.sharding import full_dict, full_optimizer_state, shard_like, shard_optimizer_state
 from flowcredit.sde import SAMPLERS, StepFn
 from flowcredit.tasks.prompt_sets import PROMPT_WEIGHTS, load_prompt_set
+from flowcredit.validation import credit_options
 
 
 @dataclass

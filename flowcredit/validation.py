@@ -1,0 +1,194 @@
+"""Checking a whole :class:`~flowcredit.config.Config`: ``validate`` rejects bad values and
+inconsistent combinations with a message naming the field (it never silently corrects input);
+``apply_overrides`` applies ``--key value`` pairs, then validates; ``credit_options`` resolves the
+credit method's options; ``import_plugins`` imports the modules of ``--imports``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from pathlib import Path
+
+from flowcredit.advantages import CREDITS
+from flowcredit.config import LOG_WITH, TRAIN_PARAMS, Config, parse_value, trained_window
+from flowcredit.errors import ConfigError, UserError
+from flowcredit.losses import KL_MODES
+from flowcredit.models.registry import MODELS, is_model_spec
+from flowcredit.sde import LOGP_MODES, SAMPLER_ENTRIES
+from flowcredit.tasks.prompt_sets import PROMPT_WEIGHTS
+from flowcredit.values import ESTIMATORS
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(name, message)
+
+
+def credit_options(cfg: Config) -> dict:
+    """The options of ``cfg.credit``'s function: each option's registered default, replaced by its own
+    config field (built-in methods) or by ``credit_options``. Raises ``ConfigError`` naming an unknown
+    or misspelt option, an option that has a field of its own, or a value of the wrong type."""
+    entry = CREDITS[cfg.credit]
+    try:
+        given = json.loads(cfg.credit_options) if cfg.credit_options else {}
+    except json.JSONDecodeError as exc:
+        raise ConfigError("credit_options", f"not JSON ({exc.msg})") from None
+    _check(isinstance(given, dict), "credit_options", "must be a JSON object of option: value")
+    options = dict(entry.options)
+    for key, field_name in entry.fields.items():
+        options[key] = getattr(cfg, field_name)
+    for key, value in given.items():
+        known = ", ".join(sorted(entry.options)) or "none"
+        _check(
+            key in entry.options, "credit_options", f"{cfg.credit!r} has no option {key!r} (options: {known})"
+        )
+        _check(
+            key not in entry.fields,
+            "credit_options",
+            f"set {cfg.credit!r}'s option {key!r} with its own field --{entry.fields.get(key)}",
+        )
+        default = entry.options[key]
+        ok = isinstance(value, type(default)) or (isinstance(default, float) and type(value) is int)
+        _check(
+            default is None or ok,
+            "credit_options",
+            f"option {key!r} of {cfg.credit!r} must be {type(default).__name__}, got {value!r}",
+        )
+        options[key] = value
+    return options
+
+
+def _check_sampler(cfg: Config, start: int, size: int) -> None:
+    """The sampler's own constraints (from its registry entry) on the window and the noise level."""
+    entry = SAMPLER_ENTRIES[cfg.sampler]
+    _check(
+        entry.stochastic, "sampler", f"{cfg.sampler!r} has no noise, so nothing can be trained; use an SDE"
+    )
+    if entry.last_step_deterministic:
+        _check(
+            start + size < cfg.num_steps,
+            "window_size",
+            f"the last step of {cfg.sampler} is deterministic (σ' = 0) and cannot be trained",
+        )
+    if entry.first_step_deterministic:
+        _check(
+            start >= 1, "window_start", f"{cfg.sampler}'s first step (σ = 1) has std 0 and cannot be trained"
+        )
+    if entry.max_level is not None:
+        _check(
+            cfg.noise_level <= entry.max_level,
+            "noise_level",
+            f"{cfg.sampler} needs {entry.level_name} <= {entry.max_level:g}",
+        )
+
+
+def import_plugins(spec: str) -> None:
+    """Import each module of the comma list ``spec`` (the ``imports`` field); idempotent."""
+    for name in filter(None, (m.strip() for m in spec.split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError("imports", f"cannot import {name!r} ({exc})") from None
+
+
+def validate(cfg: Config) -> Config:
+    """Raise ``ConfigError`` naming the field for bad values or inconsistent combinations."""
+    import_plugins(cfg.imports)
+    _check(
+        cfg.sampler in SAMPLER_ENTRIES, "sampler", f"{cfg.sampler!r} is not one of {sorted(SAMPLER_ENTRIES)}"
+    )
+    _check(cfg.credit in CREDITS, "credit", f"{cfg.credit!r} is not one of {sorted(CREDITS)}")
+    _check(cfg.estimator in ESTIMATORS, "estimator", f"{cfg.estimator!r} is not one of {sorted(ESTIMATORS)}")
+    _check(cfg.logp_mode in LOGP_MODES, "logp_mode", f"{cfg.logp_mode!r} is not one of {LOGP_MODES}")
+    _check(cfg.kl_mode in KL_MODES, "kl_mode", f"{cfg.kl_mode!r} is not one of {KL_MODES}")
+    _check(cfg.train_params in TRAIN_PARAMS, "train_params", f"{cfg.train_params!r} not in {TRAIN_PARAMS}")
+    _check(cfg.tp_balance in ("group", "none"), "tp_balance", "must be 'group' or 'none'")
+    _check(
+        cfg.prompt_weights in PROMPT_WEIGHTS,
+        "prompt_weights",
+        f"{cfg.prompt_weights!r} is not one of {sorted(PROMPT_WEIGHTS)}",
+    )
+    credit_options(cfg)
+    _check(cfg.num_steps >= 2, "num_steps", "must be >= 2")
+    _check(cfg.group_size >= 2, "group_size", "GRPO needs at least 2 samples per prompt")
+    _check(cfg.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")
+    _check(cfg.noise_level > 0, "noise_level", "must be > 0 (0 is the ODE: nothing to train)")
+    _check(cfg.batch_size >= 1, "batch_size", "must be >= 1")
+    _check(cfg.substeps >= 1, "substeps", "must be >= 1")
+    _check(cfg.clip_range > 0, "clip_range", "must be > 0")
+    _check(cfg.lr > 0, "lr", "must be > 0")
+    _check(cfg.beta >= 0, "beta", "must be >= 0")
+    _check(cfg.guidance_scale >= 0, "guidance_scale", "must be >= 0 (0 keeps the model's default)")
+    _check(0.0 <= cfg.ema_decay < 1.0, "ema_decay", "must be in [0, 1)")
+    _check(cfg.steps_per_update >= 1, "steps_per_update", "must be >= 1")
+    _check(cfg.iterations >= 0, "iterations", "must be >= 0")
+    start, size = trained_window(cfg)
+    _check(0 <= start < cfg.num_steps, "window_start", f"must lie in [0, {cfg.num_steps})")
+    _check(
+        size >= 1 and start + size <= cfg.num_steps,
+        "window_size",
+        f"window [{start}, {start + size}) must be non-empty and within the {cfg.num_steps} steps",
+    )
+    _check_sampler(cfg, start, size)
+    _check(cfg.calib_flips >= 1, "calib_flips", "must be >= 1")
+    _check(
+        not cfg.calibrate or cfg.sampler == "dance_sde",
+        "calibrate",
+        "DenseGRPO's calibration sets dance_sde's per-step g: set sampler=dance_sde",
+    )
+    _check(
+        not (cfg.calibrate and cfg.psi_path), "psi_path", "give either calibrate=true or psi_path, not both"
+    )
+    _check(
+        not cfg.psi_path or cfg.sampler == "dance_sde", "psi_path", "a calibrated ψ needs sampler=dance_sde"
+    )
+    _check(not cfg.psi_path or Path(cfg.psi_path).is_file(), "psi_path", f"no file {cfg.psi_path!r}")
+    _check(
+        is_model_spec(cfg.model),
+        "model",
+        f"{cfg.model!r} is not one of {', '.join(MODELS)} nor 'pkg.mod:load'",
+    )
+    dtypes = ("auto", "float32", "bfloat16", "float16")
+    _check(cfg.dtype in dtypes, "dtype", f"{cfg.dtype!r} is not one of {dtypes}")
+    _check(cfg.resolution >= 0, "resolution", "must be >= 0")
+    _check(
+        cfg.device == "cpu" or cfg.device.split(":")[0] == "cuda",
+        "device",
+        "must be 'cpu', 'cuda' or 'cuda:K'",
+    )
+    _check_video_and_eval(cfg)
+    _check_scale_out(cfg)
+    return cfg
+
+
+def _check_video_and_eval(cfg: Config) -> None:
+    """The video fields and the evaluation settings apart from training's."""
+    _check(cfg.num_frames >= 0, "num_frames", "must be >= 0 (0: the model's default)")
+    _check(cfg.reward_frame_stride >= 1, "reward_frame_stride", "must be >= 1 (1: every frame)")
+    _check(cfg.eval_num_steps >= 0, "eval_num_steps", "must be >= 0 (0: num_steps)")
+    _check(cfg.eval_guidance_scale >= 0, "eval_guidance_scale", "must be >= 0 (0: the training one)")
+
+
+def _check_scale_out(cfg: Config) -> None:
+    """``log_with`` and the wandb extra (``gradient_checkpointing`` is checked against the adapter)."""
+    _check(cfg.log_with in LOG_WITH, "log_with", f"{cfg.log_with!r} is not one of {LOG_WITH}")
+    _check(
+        cfg.log_with != "wandb" or importlib.util.find_spec("wandb") is not None,
+        "log_with",
+        "'wandb' needs the wandb package: pip install 'flowcredit[wandb]'",
+    )
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | None) -> Config:
+    """Apply ``["--key", "value", …]`` to ``cfg`` (typed by the field), then :func:`validate`."""
+    overrides = list(overrides or [])
+    if len(overrides) % 2:
+        raise UserError(f"overrides must come as '--key value' pairs, got {overrides}")
+    for key, raw in zip(overrides[::2], overrides[1::2]):
+        if not key.startswith("--"):
+            raise UserError(f"expected '--key', got {key!r}")
+        name = key[2:].replace("-", "_")
+        setattr(cfg, name, parse_value(name, raw))
+    return validate(cfg)
