@@ -45,6 +45,8 @@ class Config:
     """Image size in pixels for diffusers models (0: the model's default)."""
     dtype: str = "auto"
     """Weights dtype of diffusers models: auto, float32, bfloat16 or float16 (sampler maths stay fp32)."""
+    autocast: bool = False
+    """bf16 autocast for the network (tiny model; weights and sampler maths stay fp32; faster with AMX)."""
     guidance_scale: float = 0.0
     """Classifier-free guidance weight; 0 keeps the model's default."""
     # --- task and reward ---

@@ -132,3 +132,15 @@ def test_builtin_checkpoint():
     with torch.no_grad():
         v = model.velocity(x, sigma, model.encode(PROMPTS[:2]))
     assert torch.isfinite(v).all() and v.abs().mean() > 0.1
+
+
+def test_config_autocast_switches_the_run_not_the_checkpoint():
+    from flowcredit.config import Config
+    from flowcredit.errors import ConfigError
+    from flowcredit.models import load_model
+
+    model = load_model(Config(autocast=True))
+    assert model.autocast and not model.config.autocast  # save_final writes model.config's setting
+    assert not load_model(Config()).autocast
+    with pytest.raises(ConfigError, match="autocast"):
+        load_model(Config(model="test_video_shapes:load_toy_video", autocast=True))

@@ -41,4 +41,8 @@ def load_model(cfg) -> FlowModel:
     check_adapter(model, cfg.model)
     if cfg.guidance_scale > 0:  # 0: the documented "keep the model's default"
         model.guidance_scale = cfg.guidance_scale
+    if cfg.autocast:
+        if not hasattr(model, "autocast"):
+            raise ConfigError("autocast", f"the {cfg.model!r} adapter has no autocast switch; see 'dtype'")
+        model.autocast = True  # this run only: the exported checkpoint keeps the base's setting
     return model
