@@ -92,7 +92,8 @@ def skill() -> Config:
     held-out prompt evaluated; 340 iterations (34 min of iterations here with bf16 autocast, on by
     default where the CPU has AMX; 58 min in float32). Of the nine recipes tried the only one that
     raised both seeds and harmed no category: +0.036 held-out strict on both of two seeds (CI
-    [+0.024, +0.046]), short of the issue's +0.05 (docs/recipes.md)."""
+    [+0.024, +0.046]), short of the issue's +0.05; continued to 440 iterations it read +0.015 / +0.028,
+    so 340 is the best point measured, not a trend (docs/recipes.md)."""
     return Config(
         sampler="cps",
         noise_level=0.7,
