@@ -132,7 +132,7 @@ class Config:
     lora_alpha: float = 4.0
     """LoRA alpha (scale alpha/r)."""
     lora_targets: str = "default"
-    """LoRA targets: 'default' (the adapter's), 'unet' (tiny), or a comma list of module-name suffixes."""
+    """LoRA targets: 'default' (the adapter's), or a comma list of top modules ('unet,text') or suffixes."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 1e-4

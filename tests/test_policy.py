@@ -74,6 +74,19 @@ def test_lora_targets_errors_and_text_needs_text_module():
     assert "unet.mid_attn.attn.q" in lora_target_names(model.net, "q,k")
 
 
+def test_lora_targets_name_top_level_modules():
+    model = load_builtin()
+    layers = [n for n, m in model.net.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    unet = [n for n in layers if n.split(".")[0] == "unet"]
+    text = [n for n in layers if n.split(".")[0] == "text"]
+    assert unet and text
+    assert lora_target_names(model.net, "unet") == unet
+    assert lora_target_names(model.net, "text") == text
+    assert sorted(lora_target_names(model.net, "unet, text")) == sorted(unet + text)
+    both = lora_target_names(model.net, "text,q")  # a module and a suffix together
+    assert set(text) < set(both) and "unet.mid_attn.attn.q" in both
+
+
 def test_ema_tracks_and_applies():
     p = torch.nn.Parameter(torch.zeros(3))
     ema = EMA([p], decay=0.5)
