@@ -85,6 +85,9 @@ def test_lora_targets_name_top_level_modules():
     assert sorted(lora_target_names(model.net, "unet, text")) == sorted(unet + text)
     both = lora_target_names(model.net, "text,q")  # a module and a suffix together
     assert set(text) < set(both) and "unet.mid_attn.attn.q" in both
+    # a top-level child that is itself a layer is selected by its name, and only it
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    assert lora_target_names(seq, "0") == ["0"]
 
 
 def test_ema_tracks_and_applies():

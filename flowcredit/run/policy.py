@@ -20,15 +20,19 @@ from flowcredit.run.sharding import is_sharded, shard_like
 
 def lora_target_names(net: nn.Module, targets: str) -> list[str]:
     """Module names for LoRA, from a comma list: an entry that names one of ``net``'s direct children
-    (the tiny model's ``unet`` or ``text``) selects every Linear/Conv2d under it, any other entry is a
-    name suffix matched against the Linear/Conv2d modules. Raises if nothing matches."""
+    (the tiny model's ``unet`` or ``text``) selects that child, if it is a Linear/Conv2d, and every
+    Linear/Conv2d under it; any other entry is a name suffix matched against the Linear/Conv2d
+    modules. Raises if nothing matches."""
     layers = [n for n, m in net.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
     children = {name for name, _ in net.named_children()}
     wanted = [t.strip() for t in targets.split(",") if t.strip()]
-    prefixes = tuple(t + "." for t in wanted if t in children)
+    chosen = [t for t in wanted if t in children]  # whole top-level modules
+    prefixes = tuple(t + "." for t in chosen)
     suffixes = [t for t in wanted if t not in children]
     names = [
-        n for n in layers if n.startswith(prefixes) or any(n == t or n.endswith("." + t) for t in suffixes)
+        n
+        for n in layers
+        if n in chosen or n.startswith(prefixes) or any(n == t or n.endswith("." + t) for t in suffixes)
     ]
     if not names:
         raise ConfigError("lora_targets", f"{targets!r} matches no Linear/Conv2d module")
