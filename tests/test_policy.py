@@ -41,10 +41,16 @@ def test_reference_is_the_initial_policy(train_params):
     assert not torch.allclose(_velocity(model), base)  # the policy is back after the context
 
 
-def test_merged_weights_reproduce_the_lora_policy():
+@pytest.mark.parametrize("targets", ["unet", "unet,text"])
+def test_merged_weights_reproduce_the_lora_policy(targets):
     model = load_builtin()
-    policy = Policy(model, "lora", lora_rank=2, lora_alpha=4.0, seed=0)
+    base = _velocity(model)
+    policy = Policy(
+        model, "lora", lora_rank=2, lora_alpha=4.0, lora_targets=targets, need_reference=True, seed=0
+    )
     _perturb(policy.parameters())
+    with policy.reference():  # LoRA off everywhere, the text encoder's included
+        torch.testing.assert_close(_velocity(model), base)
     merged = type(model)(model.config)
     merged.net.load_state_dict(policy.merged_state_dict())
     merged.guidance_scale = model.guidance_scale
