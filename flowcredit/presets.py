@@ -90,10 +90,11 @@ def skill() -> Config:
     category-balanced, the reward 0.3 soft + 0.7 strict (a surplus object fails the image), lr 1.5e-4
     with a KL that binds (β = 1, Flow-GRPO's form: KL ≈ 1e-5), EMA 0.95 evaluated and exported, every
     held-out prompt evaluated; 340 iterations (34 min of iterations here with bf16 autocast, on by
-    default where the CPU has AMX; 58 min in float32). Of the nine recipes tried the only one that
-    raised both seeds and harmed no category: +0.036 held-out strict on both of two seeds (CI
-    [+0.024, +0.046]), short of the issue's +0.05; continued to 440 iterations it read +0.015 / +0.028,
-    so 340 is the best point measured, not a trend (docs/recipes.md)."""
+    default where the CPU has AMX; 58 min in float32). Of the eleven recipes tried the one that
+    raised both seeds by 3 x their floor and harmed no category: +0.036 held-out strict on both of two
+    seeds (CI [+0.024, +0.046]), short of the issue's +0.05; continued to 440 iterations it read
+    +0.015 / +0.028, so 340 is the best point measured, not a trend. β = 0.3 read +0.048 / +0.036
+    (seed 1's floor ±0.016), a LoRA on the text encoder too +0.038 / +0.025 (docs/recipes.md)."""
     return Config(
         sampler="cps",
         noise_level=0.7,
