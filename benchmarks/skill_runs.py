@@ -31,15 +31,16 @@ def block_means(values: list[float], block: int = 10, digits: int = 3) -> list[f
     return [round(statistics.fmean(values[i : i + block]), digits) for i in range(0, len(values), block)]
 
 
-def training(run: Path) -> dict[int, dict]:
-    """Iteration → the training row (the rows that carry a reward)."""
-    return {r["iteration"]: r for r in _rows(run, "metrics.jsonl") if "reward/mean" in r}
+def training(metrics: list[dict]) -> dict[int, dict]:
+    """Iteration → the training row (the rows of ``metrics.jsonl`` that carry a reward)."""
+    return {r["iteration"]: r for r in metrics if "reward/mean" in r}
 
 
 def summary(run: Path) -> dict:
     """The fields docs/recipes.md records for one run."""
-    rows = list(training(run).values())
-    evals = [r for r in _rows(run, "metrics.jsonl") if "eval/test/strict" in r]
+    metrics = _rows(run, "metrics.jsonl")
+    rows = list(training(metrics).values())
+    evals = [r for r in metrics if "eval/test/strict" in r]
     seconds = [t["time/iteration_s"] for t in _rows(run, "timings.jsonl")]
     return {
         "iterations": len(rows),
@@ -56,7 +57,7 @@ def summary(run: Path) -> dict:
 
 def paired(run: Path, ref: Path) -> dict:
     """10-iteration means of run − ref on the iterations both have, for the strict and soft scores."""
-    a, b = training(run), training(ref)
+    a, b = training(_rows(run, "metrics.jsonl")), training(_rows(ref, "metrics.jsonl"))
     both = sorted(set(a) & set(b))
     return {
         key: block_means([a[i][f"reward/{key}"] - b[i][f"reward/{key}"] for i in both])
