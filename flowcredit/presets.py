@@ -92,8 +92,8 @@ def skill() -> Config:
     exported, every held-out prompt evaluated; 450 iterations (about 45 min of iterations here with
     bf16 autocast, on by default where the CPU has AMX; in float32 the 60-minute cap stops it near
     340). Recipe J, the best of the thirteen measured: +0.071 / +0.065 held-out strict on two seeds
-    (floor ±0.009 / ±0.011), no category lower by more than its floor. β = 0.3 read +0.061 / +0.039
-    at 450 iterations, β = 1 +0.036 / +0.036 at 340 (docs/recipes.md)."""
+    (floor ±0.009 / ±0.011; +0.057 / +0.055 on fresh noise seeds), no category lower by more than
+    its floor. β = 0.3 read +0.061 / +0.039 at 450 iterations, β = 1 +0.036 / +0.036 at 340."""
     return Config(
         sampler="cps",
         noise_level=0.7,
