@@ -88,7 +88,7 @@ def skill() -> Config:
     """Held-out skill on the whole ShapeEval ``train`` split (docs/recipes.md, "Skill, not prompts"):
     Flow-GRPO credit with the batch std (CPS α = 0.7 on the 5 layout steps 0–4), prompts drawn
     category-balanced, the reward 0.3 soft + 0.7 strict (a surplus object fails the image), lr 1.5e-4
-    with a KL to the reference (β = 0.15, Flow-GRPO's form: KL ≈ 3e-5), EMA 0.95 evaluated and
+    with a KL to the reference (β = 0.15, Flow-GRPO's form: KL 1–7e-5), EMA 0.95 evaluated and
     exported, every held-out prompt evaluated; 450 iterations (about 45 min of iterations here with
     bf16 autocast, on by default where the CPU has AMX; in float32 the 60-minute cap stops it near
     340). Recipe J, the best of the thirteen measured: +0.071 / +0.065 held-out strict on two seeds
