@@ -12,3 +12,15 @@ def nan_for_red(images, prompts, metadata):
 
 def raises(images, prompts, metadata):
     raise RuntimeError("reward server unreachable")
+
+
+def brightness(images, prompts, metadata):
+    """The mean pixel value of each image (a hand-made reward with a known direction)."""
+    return images.mean(dim=(1, 2, 3))
+
+
+def prompt_channel(images, prompts, metadata):
+    """The mean of colour channel ``len(prompt) % 3``: a reward that also depends on the prompt, so a
+    value scored with another row's prompt differs."""
+    channel = torch.tensor([len(p) % 3 for p in prompts])
+    return images.mean(dim=(2, 3))[torch.arange(len(prompts)), channel]

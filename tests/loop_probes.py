@@ -1,0 +1,82 @@
+"""Helpers of the loop tests (test_direction.py, test_loop_values.py, test_psi_run.py): a small
+session of any preset with a hand-made reward, a spy that records what one real iteration of
+``flowcredit.train.grpo_iteration`` computed, and an independent re-scoring of recorded transitions."""
+
+from __future__ import annotations
+
+import torch
+
+import flowcredit.train as loop
+from flowcredit.config import Config, from_dict
+from flowcredit.presets import PRESETS
+from flowcredit.run.session import Session, build_session
+from flowcredit.validation import validate
+
+SMALL = dict(
+    iterations=2,
+    prompts_per_iter=2,
+    group_size=6,
+    num_train_prompts=4,
+    num_eval_prompts=2,
+    eval_samples_per_prompt=2,
+    eval_every=0,
+    num_steps=5,
+    window_size=0,
+    batch_size=12,
+    log_with="none",
+    reward="reward_fixtures:brightness",
+)
+
+
+def small_config(preset: str, run_dir, **extra) -> Config:
+    """``preset`` at test size (5 steps, 2 groups of 6, the brightness reward), with ``extra`` on top."""
+    fields = {**SMALL, "run_dir": str(run_dir)}
+    if preset == "stepwise_grpo":
+        fields["window_start"] = 1
+    if preset == "dense_grpo":
+        fields.update(calib_max_iters=1, calib_groups=1)
+    return validate(from_dict({**fields, **extra}, PRESETS[preset]()))
+
+
+def small_session(preset: str, run_dir, **extra) -> Session:
+    return build_session(small_config(preset, run_dir, **extra))
+
+
+def record_iteration(s: Session, monkeypatch, it: int = 0) -> tuple[dict, dict]:
+    """Run the real ``grpo_iteration(s, it)``, recording the values it computed and what it handed
+    to the update (``ro``, ``adv``, ``group``, ``keep``, ``prompts``). Returns ``(seen, metrics)``."""
+    seen: dict = {}
+    real_values, real_update = loop.state_values, loop.ppo_update
+
+    def values_spy(*args, **kwargs):
+        values, nfe = real_values(*args, **kwargs)
+        seen["values"] = values.clone()
+        return values, nfe
+
+    def update_spy(s_, ro, adv, prompts, group, keep, gen):
+        seen.update(ro=ro, adv=adv.clone(), prompts=list(prompts), group=group.clone(), keep=keep.clone())
+        return real_update(s_, ro, adv, prompts, group, keep, gen)
+
+    monkeypatch.setattr(loop, "state_values", values_spy)
+    monkeypatch.setattr(loop, "ppo_update", update_spy)
+    metrics = loop.grpo_iteration(s, it)
+    monkeypatch.setattr(loop, "state_values", real_values)
+    monkeypatch.setattr(loop, "ppo_update", real_update)
+    return seen, metrics
+
+
+@torch.no_grad()
+def transition_logp(s: Session, ro, prompts: list[str], group: torch.Tensor) -> torch.Tensor:
+    """``(B, N)`` log-density of every recorded transition ``x_i → x_{i+1}`` under the session's
+    current policy, one step at a time on all rows (0 off the trained steps)."""
+    cond = s.model.encode(prompts)
+    b, n = ro.logp.shape
+    out = torch.zeros(b, n)
+    for i in torch.nonzero(s.trained, as_tuple=True)[0].tolist():
+        x = ro.states[:, i]
+        v = s.model.velocity(x, s.sigmas[i].expand(b), cond[group])
+        step = s.step_fn(
+            v, x, s.sigmas[i].item(), s.sigmas[i + 1].item(), float(s.levels[i]), x_next=ro.states[:, i + 1]
+        )
+        out[:, i] = step.logp
+    return out
