@@ -44,7 +44,8 @@ def small_session(preset: str, run_dir, **extra) -> Session:
 
 def record_iteration(s: Session, monkeypatch, it: int = 0) -> tuple[dict, dict]:
     """Run the real ``grpo_iteration(s, it)``, recording the values it computed and what it handed
-    to the update (``ro``, ``adv``, ``group``, ``keep``, ``prompts``). Returns ``(seen, metrics)``."""
+    to the update (``ro``, ``adv``, ``group``, ``keep``, ``prompts``, and the trainable weights
+    before the update, ``policy_before_update``). Returns ``(seen, metrics)``."""
     seen: dict = {}
     real_values, real_update = loop.state_values, loop.ppo_update
 
@@ -55,6 +56,7 @@ def record_iteration(s: Session, monkeypatch, it: int = 0) -> tuple[dict, dict]:
 
     def update_spy(s_, ro, adv, prompts, group, keep, gen):
         seen.update(ro=ro, adv=adv.clone(), prompts=list(prompts), group=group.clone(), keep=keep.clone())
+        seen["policy_before_update"] = s_.policy.trainable_state()
         return real_update(s_, ro, adv, prompts, group, keep, gen)
 
     monkeypatch.setattr(loop, "state_values", values_spy)
@@ -63,6 +65,15 @@ def record_iteration(s: Session, monkeypatch, it: int = 0) -> tuple[dict, dict]:
     monkeypatch.setattr(loop, "state_values", real_values)
     monkeypatch.setattr(loop, "ppo_update", real_update)
     return seen, metrics
+
+
+@torch.no_grad()
+def perturb_lora(s: Session, scale: float = 0.05, seed: int = 0) -> None:
+    """Draw every LoRA B at random (``scale``·N(0, 1)): the policy then differs from the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in s.model.net.named_parameters():
+        if "lora_B" in name:
+            p.copy_(scale * torch.randn(p.shape, generator=gen))
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loop_probes import record_iteration, small_session, transition_logp
+from loop_probes import perturb_lora, record_iteration, small_session, transition_logp
 
 from flowcredit.advantages import CREDITS
 from flowcredit.run.rollout import rollout, seeded
@@ -91,11 +91,7 @@ def test_the_kl_term_pulls_the_policy_to_the_reference(beta, tmp_path):
     """A policy moved off the reference (LoRA B drawn at random), zero advantages: with β > 0 the
     update shrinks the policy–reference gap; with β = 0 nothing moves (no weight decay here)."""
     s = small_session("flow_grpo", tmp_path / "run", beta=beta, weight_decay=0.0, lr=3e-3)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in s.model.net.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    perturb_lora(s)
     batch = s.draw(0)
     cond = s.model.encode(batch.prompts).detach()
     ro = rollout(

@@ -61,7 +61,7 @@ class Linear:
         return x
 
 
-def test_euler_gains_telescope_over_an_anchored_window():
+def test_euler_values_in_closed_form_and_anchored_window():
     n, group = 5, torch.tensor([0, 0, 1])
     sigmas = make_sigmas(n)
     levels = torch.tensor([0.0, 0.7, 0.7, 0.7, 0.0])  # ddim_sde window 1–3, the rest deterministic
@@ -77,8 +77,11 @@ def test_euler_gains_telescope_over_an_anchored_window():
 
     values, _ = state_values(model, cond, group, ro, sigmas, "states", trained, "euler", 3, score)
     assert torch.equal(values[:, 4], values[:, 5])  # anchored: its remaining step is deterministic
-    gains = values[:, 2:5] - values[:, 1:4]  # (B, 3) over the window
-    torch.testing.assert_close(gains.sum(dim=1), values[:, 5] - values[:, 1])
+    torch.testing.assert_close(values[:, 5], ro.states[:, 5].flatten(1).sum(dim=1))  # the sampled image
+    # euler(3) with v = x/2: three steps of dt = −σ_i/3 scale x_i by (1 − σ_i/6)³ (closed form)
+    for i in (1, 2, 3):
+        factor = (1 - sigmas[i].item() / 6) ** 3
+        torch.testing.assert_close(values[:, i], ro.states[:, i].flatten(1).sum(dim=1) * factor)
     assert torch.isnan(values[:, 0]).all()  # not needed: the first step is outside the window
 
 
