@@ -56,7 +56,8 @@ def independent_values(s, ro, prompts_of_rows, estimator, anchored_from, states)
         prompt = prompts_of_rows[r]
         for i in states:
             start = n if i >= anchored_from else i
-            clean = complete_alone(s.model, ro.states[r, start], prompt, path_of(estimator, s.sigmas, start, 3))
+            path = path_of(estimator, s.sigmas, start, 3)
+            clean = complete_alone(s.model, ro.states[r, start], prompt, path)
             out[r, i] = prompt_channel(s.model.decode(clean[None]), [prompt], [{}])[0]
     return out
 
