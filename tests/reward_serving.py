@@ -4,6 +4,7 @@ serving it, and raw HTTP helpers."""
 import http.client
 import json
 import socket
+import threading
 import time
 from contextlib import contextmanager
 
@@ -22,9 +23,14 @@ class Probe:
 
     def __init__(self):
         self.batches, self.fail_next, self.sleep = [], [], 0.0
+        self.gate: threading.Event | None = None  # when set up, a call waits until the test opens it
+        self.entered = threading.Event()  # set by every call
 
     def __call__(self, images, prompts, metadata):
         self.batches.append(len(prompts))
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(60), "the test never opened the gate"
         time.sleep(self.sleep)
         if self.fail_next:
             raise self.fail_next.pop(0)
@@ -49,6 +55,7 @@ def probe_server():
     try:
         with start_server(rewards, token=TOKEN, limits=LIMITS) as running:
             running.probe = probe
+            running.service = running._server.config.app.state.service  # batchers, for queue checks
             running.port = int(running.url.rsplit(":", 1)[1])
             yield running
     finally:

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("diffusers")
-pytest.importorskip("peft")
+pytest.importorskip("diffusers", reason="needs the 'diffusers' extra: pip install -e '.[test]'")
 
 from tiny_diffusers import SIZE, build_flux, build_sd3, train_config  # noqa: E402
 

@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("diffusers")
-pytest.importorskip("peft")
+pytest.importorskip("diffusers", reason="needs the 'diffusers' extra: pip install -e '.[test]'")
 
 from tiny_diffusers import (  # noqa: E402
     SIZE,

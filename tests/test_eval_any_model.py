@@ -29,7 +29,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def pipes(tmp_path_factory):
-    pytest.importorskip("diffusers")
+    pytest.importorskip("diffusers", reason="needs the 'diffusers' extra: pip install -e '.[test]'")
     from tiny_diffusers import build_sd3, build_wan
 
     root = tmp_path_factory.mktemp("eval_pipes")

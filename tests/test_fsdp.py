@@ -129,8 +129,7 @@ def test_sharded_ranks_pad_their_micro_batches_to_the_busiest():
 def sd3_runs(tmp_path_factory):
     """A tiny SD3 pipeline (tests/tiny_diffusers.py) trained with LoRA for 2 iterations: ``two``
     sharded on 2 processes (its ``JointTransformerBlock``s, then the root), ``one`` on 1 process."""
-    pytest.importorskip("diffusers")
-    pytest.importorskip("peft")
+    pytest.importorskip("diffusers", reason="needs the 'diffusers' extra: pip install -e '.[test]'")
     from tiny_diffusers import SIZE, build_sd3
 
     root = tmp_path_factory.mktemp("fsdp_sd3")

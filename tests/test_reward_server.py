@@ -8,6 +8,8 @@ server and urllib client failed.
 import base64
 import json
 import socket
+import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,13 +59,14 @@ def test_probe_deep_json_nesting_is_400(served):
 
 
 def test_probe_slow_client_hits_the_total_deadline():
-    """One byte every 0.2 s: answered (408) or dropped at the 1 s deadline, not kept waiting."""
+    """One byte every 0.2 s: answered (408) or dropped at the 1 s deadline, not kept waiting for the
+    30 s the client would go on (the bound is generous: it separates the two, not fast from slow)."""
     with start_server({"probe": Probe()}, limits=Limits(timeout_s=1.0)) as running:
         port = int(running.url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             s.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
             start, answer = time.monotonic(), b""
-            while time.monotonic() - start < 4:
+            while time.monotonic() - start < 30:
                 try:
                     s.sendall(b" ")
                     s.settimeout(0.2)
@@ -74,23 +77,25 @@ def test_probe_slow_client_hits_the_total_deadline():
                 except OSError:  # reset: dropped
                     break
             elapsed = time.monotonic() - start
-    assert elapsed < 2.5 and (answer == b"" or answer.startswith(b"HTTP/1.1 408")), (elapsed, answer)
+    assert elapsed < 15 and (answer == b"" or answer.startswith(b"HTTP/1.1 408")), (elapsed, answer)
 
 
 def test_probe_many_half_open_connections_connect_at_once(served):
-    """200 idle connections: each connects at once (the old backlog of 5 made some wait ~1 s)."""
+    """200 idle connections: each connects (the old backlog of 5 made some wait ~1 s for a SYN
+    retransmit). Checked without a clock: the listening socket's backlog, as the kernel reports it
+    (``ss``: Send-Q of a listening socket), holds all 200, and the server still serves."""
     _, port = served
-    sockets, slowest = [], 0.0
+    listing = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True)
+    backlog = int(listing.stdout.split()[2])
+    assert backlog >= 200, listing.stdout
+    sockets = []
     try:
         for _ in range(200):
-            start = time.monotonic()
-            sockets.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-            slowest = max(slowest, time.monotonic() - start)
+            sockets.append(socket.create_connection(("127.0.0.1", port), timeout=30))
         assert request(port, body=payload(1)[1])[0] == 200  # and it still serves
     finally:
         for s in sockets:
             s.close()
-    assert slowest < 0.5
 
 
 def test_probe_wrong_number_of_scores_is_500_and_rejected_input_is_422(served):
@@ -157,20 +162,34 @@ def test_rewards_are_addressed_by_name_and_requests_split_by_max_batch(served):
     assert status == 404 and "served: ['probe'" in data["error"]
 
 
-def test_a_bad_request_does_not_fail_the_one_it_was_batched_with(served):
+def test_a_bad_request_does_not_fail_the_one_it_was_batched_with(server, served):
     """While a first request holds the reward, a good and a bad one queue up and share the next call;
-    it fails, so each is scored alone: the good one gets its score, the bad one its 422."""
+    it fails, so each is scored alone: the good one gets its score, the bad one its 422. The order is
+    driven by a gate and the batcher's queue, not by sleeps."""
     probe, port = served
-    probe.sleep = 0.2
+    probe.gate = threading.Event()
     good_images, good = payload(1, prompt="fine")
     _, bad = payload(1, prompt="reject me")
+    queue = lambda: server.service.batchers["probe"]._queue  # noqa: E731
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(request, port, body=payload(1)[1])
-        time.sleep(0.1)
-        answers = list(pool.map(lambda b: request(port, body=b), [good, bad]))
+        assert probe.entered.wait(60)  # the first call holds the reward
+        answers = [pool.submit(request, port, body=b) for b in (good, bad)]
+        wait_until(lambda: len(queue()) == 2)
+        probe.gate.set()
         assert first.result()[0] == 200
+        answers = [a.result() for a in answers]
+    probe.gate = None
     assert answers[0] == (200, {"rewards": pytest.approx(expected(good_images, ["fine"]))})
     assert answers[1][0] == 422 and probe.batches == [1, 2, 1, 1]
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    """Poll ``condition`` until it holds; the generous timeout only catches a hang."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
 
 
 @pytest.mark.parametrize(

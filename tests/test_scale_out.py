@@ -105,7 +105,7 @@ def test_tiny_gradient_checkpointing_recomputes_the_same_gradients():
 
 
 def test_wandb_offline_run_logs_scalars_grids_and_config(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    pytest.importorskip("wandb", reason="needs the 'wandb' extra: pip install -e '.[test]'")
     from flowcredit.train import train
 
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -115,7 +115,8 @@ def test_hand_made_scenes():
 
 
 def test_shapes_reward_interface():
-    torch = pytest.importorskip("torch")
+    import torch
+
     metas = copy.deepcopy(_of("two_object")[:4])
     x = torch.from_numpy(_render(metas))
     prompts = [m["prompt"] for m in metas]
@@ -136,7 +137,8 @@ def test_shapes_reward_interface():
 
 
 def test_shapes_strict_reward_is_the_pass_fail_and_fails_a_surplus_object():
-    torch = pytest.importorskip("torch")
+    import torch
+
     from flowcredit.rewards import get_reward, uses_shapeeval
 
     meta = copy.deepcopy(_of("single_object")[0])  # "a <colour> <shape>"
