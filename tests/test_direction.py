@@ -107,3 +107,26 @@ def test_the_kl_term_pulls_the_policy_to_the_reference(beta, tmp_path):
         assert stats["loss/kl"] > 0 and after < 0.9 * before, (before, after)
     else:
         assert after == pytest.approx(before, rel=1e-6)
+
+
+def test_ema_averages_the_weights_after_every_optimizer_step(tmp_path):
+    """The loop's EMA is ``s ← d·s + (1 − d)·p`` after each optimizer step, recomputed here from the
+    weights each step left (d = 0.75)."""
+    from flowcredit.train import grpo_iteration
+
+    s = small_session("flow_grpo", tmp_path / "run", ema_decay=0.75)
+    shadow = [p.detach().clone() for p in s.params]
+    real_step = s.optimizer.step
+
+    def step(*args, **kwargs):
+        out = real_step(*args, **kwargs)
+        for avg, p in zip(shadow, s.params):
+            avg.copy_(0.75 * avg + 0.25 * p.detach())
+        return out
+
+    s.optimizer.step = step
+    metrics = grpo_iteration(s, 0)
+    assert metrics["stats/optimizer_steps"] >= 2
+    for got, want in zip(s.ema.shadow, shadow):
+        torch.testing.assert_close(got, want)
+    assert any(not torch.equal(avg, p) for avg, p in zip(shadow, s.params))

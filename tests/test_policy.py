@@ -98,11 +98,11 @@ def test_lora_targets_name_top_level_modules():
 
 def test_ema_tracks_and_applies():
     p = torch.nn.Parameter(torch.zeros(3))
-    ema = EMA([p], decay=0.5)
+    ema = EMA([p], decay=0.75)
     with torch.no_grad():
         p.fill_(1.0)
     ema.update()
-    torch.testing.assert_close(ema.shadow[0], torch.full((3,), 0.5))
+    torch.testing.assert_close(ema.shadow[0], torch.full((3,), 0.25))  # 0.75·0 + 0.25·1
     with ema.applied():
-        torch.testing.assert_close(p.detach(), torch.full((3,), 0.5))
+        torch.testing.assert_close(p.detach(), torch.full((3,), 0.25))
     torch.testing.assert_close(p.detach(), torch.ones(3))
