@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint venv clean
+.PHONY: test demo lint venv clean mutants
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,9 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check flowcredit tests benchmarks
 	$(VENV)/bin/ruff format --check flowcredit tests benchmarks
+
+mutants: $(STAMP)  # does the suite notice a broken loop? (docs/testing.md; ~6 min)
+	$(PY) benchmarks/mutants.py
 
 demo: $(STAMP)
 	$(PY) -m flowcredit demo
