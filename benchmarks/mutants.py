@@ -71,7 +71,7 @@ MUTANTS = [
         (DIRECTION,), "the update re-scores a transition under another row's prompt",
     ),
     Mutant(
-        "update_at_next_sigma", "loop", TRAIN,
+        "update_at_previous_level", "loop", TRAIN,
         "sigma, sigma_next, level = s.sigmas[i].item(), s.sigmas[i + 1].item(), float(s.levels[i])",
         "sigma, sigma_next, level = s.sigmas[i].item(), s.sigmas[i + 1].item(), float(s.levels[i - 1])",
         (DIRECTION,), "the update scores step i with the noise level of step i - 1",
