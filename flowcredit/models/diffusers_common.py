@@ -191,6 +191,13 @@ class DiffusersFlowModel(FlowModelBase):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The transformer's compute dtype: that of its first weight outside the modules the model
+        keeps in float32 on purpose (``_keep_in_fp32_modules``: Wan's norms and time embedder) and
+        outside LoRA (whose weights we keep in float32)."""
+        keep = getattr(self.net, "_keep_in_fp32_modules", None) or []
+        for name, p in self.net.named_parameters():
+            if p.is_floating_point() and "lora_" not in name and not any(k in name for k in keep):
+                return p.dtype
         return next(self.net.parameters()).dtype
 
     def to(self, device: str | torch.device) -> DiffusersFlowModel:
