@@ -199,3 +199,17 @@ def test_yaml_config_and_unknown_key(tmp_path):
     bad.write_text("grop_size: 4\n")
     with pytest.raises(ValueError, match="unknown config key 'grop_size'"):
         load_config("flow_grpo", str(bad))
+
+
+def test_a_non_shapeeval_reward_logs_plain_json_and_names_its_score(tmp_path, capsys):
+    """Only ShapeEval has a pass/fail: no NaN ``strict`` in metrics.jsonl (NaN is not JSON), and the
+    summary names the reward it averaged instead of "soft"."""
+    train(small_config("flow_grpo", tmp_path / "run", reward="jpeg_compressibility", iterations=1))
+
+    def refuse(constant):
+        raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert "eval/test/soft" in rows[0] and "eval/test/strict" not in rows[0]
+    assert "(mean jpeg_compressibility, ODE" in capsys.readouterr().out

@@ -290,7 +290,7 @@ def read_run(run_dir: Path) -> dict:
         floor = m.get("eval/test/floor_soft", floor)
         train_floor = m.get("eval/train/floor_soft", train_floor)
         if "eval/test/soft" in m:
-            soft, strict = m["eval/test/soft"], m["eval/test/strict"]
+            soft, strict = m["eval/test/soft"], m.get("eval/test/strict", math.nan)  # NaN: no pass/fail
             points.append({"iteration": it, "seconds": seconds, "nfe": nfe, "soft": soft, "strict": strict})
             if "eval/train/soft" in m:
                 points[-1]["train"] = m["eval/train/soft"]

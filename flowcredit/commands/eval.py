@@ -21,6 +21,7 @@ import torch
 from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
 from flowcredit.models import load_model
+from flowcredit.models.diffusers_common import trained_run_config
 from flowcredit.rewards import uses_shapeeval
 from flowcredit.run.evaluation import (
     evaluate,
@@ -55,9 +56,27 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
 
 
-def config_from_args(args) -> Config:
-    """``--config`` (or the defaults) with the model flags given on the command line, validated."""
+def run_final(args) -> Path | None:
+    """The run's ``final/`` whose trained weights the command samples: ``--checkpoint RUN/final`` of
+    a diffusers run (a LoRA or ``transformer/`` export, its base model named in ``RUN/config.json``),
+    or ``RUN/final`` beside ``--config RUN/config.json`` when no ``--checkpoint`` is given."""
+    if args.checkpoint is not None:
+        return Path(args.checkpoint) if trained_run_config(args.checkpoint) is not None else None
+    if args.config:
+        final = Path(args.config).parent / "final"
+        if (final / "trainable.safetensors").is_file():
+            return final
+    return None
+
+
+def config_from_args(args) -> tuple[Config, Path | None]:
+    """``--config`` (or the defaults) with the model flags given on the command line, validated; and
+    the run's ``final/`` to load on top of the base weights (:func:`run_final`; None: the checkpoint
+    as is). ``--checkpoint RUN/final`` takes ``RUN/config.json`` as its ``--config``."""
     cfg = Config()
+    final = run_final(args)
+    if final is not None and not args.config:
+        args.config = str(final.parent / "config.json")
     if args.config:
         import yaml
 
@@ -68,12 +87,26 @@ def config_from_args(args) -> Config:
         if not isinstance(data, dict):
             raise UserError(f"--config {args.config!r}: expected a mapping of config keys")
         cfg = from_dict(data)
-    flags = {"model": args.model, "checkpoint": args.checkpoint, "resolution": args.resolution}
+    checkpoint = None if final is not None else args.checkpoint  # a run's final/: its base is in the config
+    flags = {"model": args.model, "checkpoint": checkpoint, "resolution": args.resolution}
     flags |= {"dtype": args.dtype, "num_frames": args.frames}
     for key, value in flags.items():
         if value is not None:
             setattr(cfg, key, value)
-    return validate(cfg)
+    if final is not None and cfg.model == "tiny":  # the tiny model's final/ is a whole checkpoint
+        cfg.checkpoint, final = str(final), None
+    return validate(cfg), final
+
+
+def load_for_cli(cfg: Config, final: Path | None):
+    """The adapter of ``cfg``, with a run's trained ``final/`` applied; says which weights it uses."""
+    model = load_model(cfg)
+    if final is not None:
+        if not hasattr(model, "load_trained"):
+            raise UserError(f"{final}: the {cfg.model!r} adapter cannot load a run's trained weights")
+        model.load_trained(final)
+    print(f"weights: {cfg.checkpoint}" + (f" + {final}" if final is not None else ""))
+    return model
 
 
 def _settings(model, args, cfg: Config) -> dict:
@@ -132,7 +165,7 @@ def main_eval(argv: list[str] | None = None) -> int:
     across seeds, grid PNG and JSON."""
     args = _eval_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = config_from_args(args)
+    cfg, final = config_from_args(args)
     if args.reward_options is not None:
         cfg.reward_options = args.reward_options
     reward = args.reward or ((cfg.eval_reward or cfg.reward) if args.config else "shapes")
@@ -141,7 +174,7 @@ def main_eval(argv: list[str] | None = None) -> int:
     score = evaluate
     if not shapes_eval:
         score = partial(evaluate_reward, reward=build_reward(cfg, reward, named_only=True))
-    model = load_model(cfg)
+    model = load_for_cli(cfg, final)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     settings, k = _settings(model, args, cfg), args.samples_per_prompt
     steps, shift, guidance = settings["steps"], settings["shift"], settings["cfg"]
@@ -197,8 +230,8 @@ def main_sample(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="PNG file to write")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = config_from_args(args)
-    model = load_model(cfg)
+    cfg, final = config_from_args(args)
+    model = load_for_cli(cfg, final)
     settings = _settings(model, args, cfg)
     noise = initial_noise(args.n, tuple(model.latent_shape), args.seed).to(
         next(model.net.parameters()).device

@@ -8,12 +8,15 @@ samplers see — latents, velocities, images — is float32 (docs/algorithms.md 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from flowcredit.errors import ConfigError
 from flowcredit.models.protocol import FlowModelBase
 from flowcredit.schedule import resolution_shift_mu
 
@@ -26,6 +29,8 @@ DTYPES = {
     "fp16": torch.float16,
 }
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+EXPORT_INFO = "flowcredit_export.json"
+"""Written beside a diffusers export: the pipeline class and the call keywords that reproduce the policy."""
 
 
 def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
@@ -35,7 +40,7 @@ def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype:
     if name in (None, "", "auto"):
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     if name not in DTYPES:
-        raise ValueError(f"config field 'dtype': {name!r} is not one of {sorted(DTYPES)} or 'auto'")
+        raise ConfigError("dtype", f"{name!r} is not one of {sorted(DTYPES)} or 'auto'")
     return DTYPES[name]
 
 
@@ -52,7 +57,7 @@ def image_size(resolution, default: int, multiple: int) -> tuple[int, int]:
         resolution = default
     h, w = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
     if h % multiple or w % multiple:
-        raise ValueError(f"config field 'resolution': {h}×{w} must be a multiple of {multiple}")
+        raise ConfigError("resolution", f"{h}×{w} must be a multiple of {multiple}")
     return int(h), int(w)
 
 
@@ -143,6 +148,60 @@ def scheduler_sigmas(scheduler, num_steps: int, sigmas=None, image_seq_len: int 
     return out
 
 
+PIPELINE_MODELS = {
+    "StableDiffusion3Pipeline": "sd3",
+    "FluxPipeline": "flux",
+    "QwenImagePipeline": "qwen_image",
+    "WanPipeline": "wan",
+    "ZImagePipeline": "z_image",
+}
+"""The ``--model`` of each diffusers pipeline class an adapter loads."""
+
+
+def trained_run_config(checkpoint: str | None) -> dict | None:
+    """The run ``config.json`` of ``checkpoint`` when it is a diffusers run's ``final/`` (a LoRA or a
+    ``transformer/`` beside ``trainable.safetensors``, and ``../config.json``); else None."""
+    if not checkpoint:
+        return None
+    final = Path(checkpoint)
+    exported = (final / LORA_WEIGHTS).is_file() or (final / "transformer").is_dir()
+    config = final.parent / "config.json"
+    if not (exported and (final / "trainable.safetensors").is_file() and config.is_file()):
+        return None
+    return json.loads(config.read_text())
+
+
+def check_checkpoint(checkpoint: str, pipeline_name: str) -> None:
+    """Refuse, with a one-line :class:`ConfigError`, a ``checkpoint`` that cannot be this adapter's
+    pipeline: a missing local path, a directory without ``model_index.json`` (e.g. a run's
+    ``final/``), or another pipeline class (naming the ``--model`` that loads it). A string shaped
+    like a hub id (``owner/name``) that is not a local path is left to ``from_pretrained``."""
+    path = Path(checkpoint).expanduser()
+    hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", checkpoint) is not None and not checkpoint.startswith(".")
+    if not path.exists():
+        if not hub_id:
+            raise ConfigError("checkpoint", f"no such directory {checkpoint!r} (nor a hub id 'owner/name')")
+        return
+    index = path / "model_index.json"
+    if not index.is_file():
+        hint = ""
+        if (path / "trainable.safetensors").is_file():
+            hint = "; it is a run's final/: sample or evaluate it with 'flowcredit sample/eval --checkpoint'"
+        raise ConfigError(
+            "checkpoint", f"{checkpoint!r} is not a diffusers pipeline (no model_index.json){hint}"
+        )
+    found = json.loads(index.read_text()).get("_class_name")
+    if found != pipeline_name:
+        fix = (
+            f"use --model {PIPELINE_MODELS[found]}"
+            if found in PIPELINE_MODELS
+            else "no built-in adapter loads it"
+        )
+        raise ConfigError(
+            "checkpoint", f"{checkpoint!r} holds a {found}, not the {pipeline_name} this --model loads; {fix}"
+        )
+
+
 class DiffusersFlowModel(FlowModelBase):
     """Base of the diffusers adapters; a subclass sets ``pipeline_name`` and implements ``_encode``
     (prompts → ``PromptCond`` rows) and ``velocity``.
@@ -179,9 +238,16 @@ class DiffusersFlowModel(FlowModelBase):
         (``revision``, ``variant``, ``local_files_only``…)."""
         import diffusers
 
+        check_checkpoint(str(checkpoint), cls.pipeline_name)
         pipeline_class = getattr(diffusers, cls.pipeline_name)
         dtypes = {"default": resolve_dtype(dtype), "vae": torch.float32}
-        pipe = pipeline_class.from_pretrained(checkpoint, dtype=dtypes, **load_kwargs)
+        try:
+            pipe = pipeline_class.from_pretrained(checkpoint, dtype=dtypes, **load_kwargs)
+        except (OSError, ValueError) as exc:  # offline hub id, missing files, wrong components
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                "checkpoint", f"cannot load {checkpoint!r} as a {cls.pipeline_name}: {first}"
+            ) from exc
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, resolution, guidance_scale).to(device or default_device())
 
@@ -238,6 +304,25 @@ class DiffusersFlowModel(FlowModelBase):
             save_lora(self.pipeline_class, self.net, directory)
         else:
             self.net.save_pretrained(str(directory / "transformer"))
+        how = {"pipeline": self.pipeline_name, **self.pipeline_call_kwargs()}
+        (directory / EXPORT_INFO).write_text(json.dumps(how, indent=1) + "\n")
+
+    def pipeline_call_kwargs(self) -> dict:
+        """Keywords a plain ``pipe(prompt, …)`` needs to see the policy's text context (none here)."""
+        return {}
+
+    def load_trained(self, final: str | Path) -> None:
+        """Apply a run's ``final/`` export to this (base) model in place: its LoRA through the
+        pipeline's ``load_lora_weights``, or its fine-tuned ``transformer/``."""
+        final = Path(final)
+        if (final / LORA_WEIGHTS).is_file():
+            self.pipe.load_lora_weights(str(final), weight_name=LORA_WEIGHTS)
+        elif (final / "transformer").is_dir():
+            trained = type(self.net).from_pretrained(str(final / "transformer"), dtype=self.dtype)
+            self.net.load_state_dict(trained.state_dict())
+        else:
+            raise ConfigError("checkpoint", f"{str(final)!r} holds neither {LORA_WEIGHTS} nor transformer/")
+        self._cache = None
 
 
 def save_lora(pipeline_class, net: torch.nn.Module, directory: Path, adapter: str = "default") -> Path:

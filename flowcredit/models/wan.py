@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from flowcredit.errors import ConfigError
 from flowcredit.models.diffusers_common import (
     DiffusersFlowModel,
     PromptCond,
@@ -61,8 +62,9 @@ class WanFlowModel(DiffusersFlowModel):
         max_sequence_length: int = 226,
     ):
         if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("expand_timesteps", False):
-            raise ValueError(
-                "WanFlowModel takes Wan2.1 pipelines (one transformer), not Wan2.2's two experts"
+            raise ConfigError(
+                "checkpoint",
+                "the wan adapter takes Wan2.1 pipelines (one transformer), not Wan2.2's two experts",
             )
         self.spatial = pipe.vae.config.scale_factor_spatial
         self.temporal = pipe.vae.config.scale_factor_temporal
@@ -76,12 +78,15 @@ class WanFlowModel(DiffusersFlowModel):
         limit = getattr(pipe.tokenizer, "model_max_length", max_sequence_length)
         self.max_sequence_length = min(int(max_sequence_length), int(limit))
 
+    def pipeline_call_kwargs(self) -> dict:
+        """``WanPipeline`` pads prompts to 226 tokens; the policy used ``max_sequence_length`` (226, or the
+        tokenizer's limit when that is shorter): pass it to ``pipe(…)`` to see the same text context."""
+        return {"max_sequence_length": self.max_sequence_length}
+
     def set_frames(self, num_frames: int) -> None:
         """Clip length ``F`` (``4k + 1``): ``latent_shape = (C, (F − 1)/4 + 1, H/8, W/8)``."""
         if num_frames < 1 or (num_frames - 1) % self.temporal:
-            raise ValueError(
-                f"config field 'num_frames': {num_frames} must be {self.temporal}·k + 1 (e.g. 33 or 81)"
-            )
+            raise ConfigError("num_frames", f"{num_frames} must be {self.temporal}·k + 1 (e.g. 33 or 81)")
         self.num_frames = int(num_frames)
         latent_frames = (self.num_frames - 1) // self.temporal + 1
         c = self.net.config.in_channels

@@ -241,7 +241,9 @@ def evaluate_policy(s, tag: str | None, grids: dict | None = None) -> dict:
     for name, metas in sets.items():
         res = _eval_tables(s, metas, s.cfg.eval_seed, images=tag is not None or grids is not None)
         overall = res["table"]["overall"]
-        out[f"eval/{name}/soft"], out[f"eval/{name}/strict"] = overall["soft"], overall["strict"]
+        out[f"eval/{name}/soft"] = overall["soft"]
+        if not math.isnan(overall["strict"]):  # only ShapeEval has a pass/fail (NaN is not JSON)
+            out[f"eval/{name}/strict"] = overall["strict"]
         for cat, row in res["table"].items():  # per ShapeEval category (held-out set only)
             if name == "test" and cat != "overall" and len(res["table"]) > 2:
                 out[f"eval/test/{cat}/soft"], out[f"eval/test/{cat}/strict"] = row["soft"], row["strict"]

@@ -8,6 +8,7 @@ import math
 
 from safetensors.torch import save_file
 
+from flowcredit.rewards import uses_shapeeval
 from flowcredit.run.runlog import read_metrics
 
 
@@ -46,6 +47,8 @@ def run_summary(s, elapsed: float) -> dict:
     rows = read_metrics(s.run_dir)
     evals = [r for r in rows if "eval/test/soft" in r]
     summary = {"minutes": elapsed / 60, "iterations": rows[-1]["iteration"] if rows else 0}
+    eval_reward = s.cfg.eval_reward or s.cfg.reward
+    summary["score"] = "soft" if uses_shapeeval(eval_reward) else f"mean {eval_reward}"
     for name in ("test", "train"):
         if evals and f"eval/{name}/soft" in evals[0]:
             summary[name] = {
@@ -59,11 +62,12 @@ def run_summary(s, elapsed: float) -> dict:
 
 def format_summary(summary: dict, credit: str, run_dir: str) -> str:
     lines = [f"flowcredit: {summary['iterations']} iterations of {credit} in {summary['minutes']:.1f} min"]
+    score = summary.get("score", "soft")
     for name in ("train", "test"):
         if name in summary:
             e = summary[name]
             lines.append(
-                f"  eval {name:>5} (soft, ODE, fixed noise): before {e['before']:.3f} → after "
+                f"  eval {name:>5} ({score}, ODE, fixed noise): before {e['before']:.3f} → after "
                 f"{e['after']:.3f} (best {e['best']:.3f}); noise floor ±{e['noise_floor']:.3f}"
             )
     lines.append(f"  outputs in {run_dir}/ (metrics.jsonl, reward_curve.png, grid_*.png, final/)")

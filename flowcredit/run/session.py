@@ -147,6 +147,11 @@ def prepare_run_dir(cfg: Config, dist: Dist, resume: bool) -> Path:
     run_dir = Path(cfg.run_dir)
     if dist.is_main:
         if not resume and run_dir.exists() and any(run_dir.iterdir()):
+            if find_checkpoint(run_dir) is None:
+                raise UserError(
+                    f"run_dir {str(run_dir)!r} is not empty but holds no checkpoint to resume (a run that "
+                    "stopped in its first iteration?): delete it or choose another --run_dir"
+                )
             raise UserError(
                 f"run_dir {str(run_dir)!r} exists and is not empty; use "
                 f"'flowcredit train --resume {run_dir}' or another --run_dir"
@@ -169,11 +174,25 @@ def build_session(
             f"config field 'prompts_per_iter' ({cfg.prompts_per_iter}) must be divisible "
             f"by the number of processes ({dist.world})"
         )
+    created = not Path(cfg.run_dir).exists()
     run_dir = prepare_run_dir(cfg, dist, resume)
+    try:
+        return _assemble(cfg, dist, run_dir, resume, model, reward)
+    except BaseException:
+        if not resume and dist.is_main:  # a failed start leaves nothing that blocks the same command
+            (run_dir / "config.json").unlink(missing_ok=True)
+            if created and not any(run_dir.iterdir()):
+                run_dir.rmdir()
+        raise
+
+
+def _assemble(cfg: Config, dist: Dist, run_dir: Path, resume: bool, model, reward) -> Session:
+    """The model, policy, optimizer, EMA, reward, prompt sets and restored state of :func:`build_session`."""
     if model is None:
         model = load_model(cfg)
     else:
         check_adapter(model, type(model).__name__)
+    check_frame_stride(cfg.reward_frame_stride, getattr(model, "num_frames", 0))
     policy = Policy(
         model,
         cfg.train_params,
@@ -215,6 +234,16 @@ def build_session(
     if s.psi is not None:
         write_psi(s)
     return s
+
+
+def check_frame_stride(stride: int, num_frames: int) -> None:
+    """An image reward on clips scores frames ``0, k, 2k, …``: a stride past the clip scores frame 0 only."""
+    if num_frames > 1 and stride >= num_frames:
+        raise ConfigError(
+            "reward_frame_stride",
+            f"{stride} ≥ the clip's {num_frames} frames: only frame 0 would be scored; "
+            f"use at most {num_frames - 1}",
+        )
 
 
 def build_reward(cfg: Config, spec: str, named_only: bool = False) -> Reward:

@@ -47,7 +47,10 @@ def read_prompts(spec: str, shapes_metadata: bool = False) -> list[dict]:
             try:
                 validate_meta(meta)
             except ValueError as exc:
-                raise UserError(f"{spec}: line {k + 1}: {exc}") from None
+                raise UserError(
+                    f"{spec}: line {k + 1}: {exc}; a ShapeEval reward (the default, --reward shapes) scores "
+                    "from ShapeEval metadata: for plain prompts choose another --reward"
+                ) from None
     return metas
 
 
