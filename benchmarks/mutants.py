@@ -219,6 +219,24 @@ MUTANTS = [
         "return torch.minimum(unclipped, clipped).mean()",
         ("tests/test_losses.py",), "PPO's pessimistic bound taken the wrong way",
     ),
+    Mutant(
+        "dtype_from_first_parameter", "export", "flowcredit/models/diffusers_common.py",
+        'if p.is_floating_point() and "lora_" not in name and not any(k in name for k in keep):',
+        'if p.is_floating_point():',
+        ("tests/test_adapters_dtypes.py",), "Wan in bf16 takes float32 from a kept-in-fp32 norm and crashes",
+    ),
+    Mutant(
+        "cli_samples_the_base", "export", "flowcredit/commands/eval.py",
+        "        model.load_trained(final)",
+        "        pass",
+        ("tests/test_trained_cli.py",), "sample/eval --checkpoint RUN/final quietly use the base weights",
+    ),
+    Mutant(
+        "failed_start_leaves_config", "resume", SESSION,
+        '            (run_dir / "config.json").unlink(missing_ok=True)',
+        "            pass",
+        ("tests/test_trained_cli.py",), "a failed start leaves run_dir/config.json behind",
+    ),
 ]  # fmt: skip
 
 

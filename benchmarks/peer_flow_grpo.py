@@ -1,0 +1,359 @@
+"""Side by side with Flow-GRPO's own code: one Flow-GRPO iteration of the peer's code and of ours.
+
+One iteration is the rollout with log-probabilities (then the decode of the final latents) and the
+per-timestep clipped update (β = 0, one optimizer step per batch, as Flow-GRPO accumulates over its
+timesteps). Both run on the same SD3 pipeline object, the same LoRA'd transformer (restored to the same
+weights before each update), the same prompts, initial noise, group size, steps, noise level and
+guidance, in one process, alternating, so the ratio is measured side by side.
+
+    .venv/bin/python benchmarks/peer_flow_grpo.py --peer ../shared/peers/flow_grpo            # tiny SD3, CPU
+    python benchmarks/peer_flow_grpo.py --peer PATH --size medium --device cuda --dtype bfloat16
+
+``--size medium`` builds a random-weight pipeline whose transformer and VAE have SD3.5-Medium's
+shapes (24 MMDiT blocks of width 1536, 16 latent channels, 1024 px), with one-layer text encoders of
+the right widths (text encoding is outside the timed phases). The peer's code is imported from PATH at
+run time and never copied: its sampling pipeline and SDE step with log-probability as they are, and its
+per-timestep ``compute_log_prob`` read from ``scripts/train_sd3.py`` without running that script's
+module code; the loop around it (ratio, clip, backward, optimizer step) follows its ``main``.
+
+Equal work is checked, not assumed: each side's log-probabilities re-scored by the other's code on the
+same trajectory must agree (the maximum difference is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["a red square", "a photo of a cat", "a big blue circle on the sign", "a green triangle"]
+
+
+def peer_function(script: Path, name: str, namespace: dict):
+    """Function ``name`` of the peer's ``script``, compiled alone from its source (the script's module
+    code, which parses flags and imports its training stack, is not run)."""
+    tree = ast.parse(script.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    code = compile(ast.Module(body=[node], type_ignores=[]), str(script), "exec")
+    exec(code, namespace)  # noqa: S102 - the peer's own function, from the path the user gave
+    return namespace[name]
+
+
+def build_pipeline(size: str, directory: Path) -> Path:
+    """A random-config SD3 pipeline: ``tiny`` (tests/tiny_diffusers.py) or ``medium`` (SD3.5-M shapes)."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import tiny_diffusers
+
+    if size == "tiny":
+        return tiny_diffusers.build_sd3(directory)
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    from diffusers import StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    vocab = len(tiny_diffusers.WORDS.split()) + 4
+
+    def clip(width):
+        cfg = CLIPTextConfig(vocab_size=vocab, hidden_size=width, intermediate_size=256, num_hidden_layers=1)
+        cfg.num_attention_heads, cfg.projection_dim = width // 64, width
+        cfg.max_position_embeddings, cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id = 16, 0, 2, 3
+        return CLIPTextModelWithProjection(cfg)
+
+    t5 = T5Config(vocab_size=vocab, d_model=4096, d_kv=64, d_ff=256, num_layers=1, num_heads=4)
+    t5.pad_token_id, t5.eos_token_id = 0, 3
+    transformer = SD3Transformer2DModel(
+        sample_size=128,
+        patch_size=2,
+        in_channels=16,
+        num_layers=24,
+        attention_head_dim=64,
+        num_attention_heads=24,
+        joint_attention_dim=4096,
+        caption_projection_dim=1536,
+        pooled_projection_dim=2048,
+        out_channels=16,
+        pos_embed_max_size=384,
+        dual_attention_layers=tuple(range(13)),
+        qk_norm="rms_norm",
+    )
+    vae = AutoencoderKL(
+        latent_channels=16,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(128, 256, 512, 512),
+        layers_per_block=2,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5305,
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=vae,
+        text_encoder=clip(768),
+        tokenizer=tiny_diffusers.tokenizer(),
+        text_encoder_2=clip(1280),
+        tokenizer_2=tiny_diffusers.tokenizer(),
+        text_encoder_3=T5EncoderModel(t5),
+        tokenizer_3=tiny_diffusers.tokenizer(),
+    )
+    pipe.save_pretrained(str(directory))
+    return directory
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Seconds of named phases, synchronised on the device."""
+
+    def __init__(self, device):
+        self.device, self.seconds = device, {}
+
+    def __call__(self, name, fn, *args, **kwargs):
+        sync(self.device)
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync(self.device)
+        self.seconds.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
+
+def peer_rollout(peer, pipe, embeds, x0, args):
+    """The peer's sampling pipeline: images, states ``(B, N + 1, …)`` and log-probs ``(B, N)``."""
+    pe, ne, pp, np_ = embeds
+    images, latents, logps = peer["pipeline_with_logprob"](
+        pipe,
+        prompt_embeds=pe,
+        pooled_prompt_embeds=pp,
+        negative_prompt_embeds=ne,
+        negative_pooled_prompt_embeds=np_,
+        num_inference_steps=args.steps,
+        guidance_scale=args.cfg,
+        output_type="pt",
+        height=args.resolution,
+        width=args.resolution,
+        noise_level=args.noise_level,
+        latents=x0.to(pipe.transformer.dtype),
+    )
+    return images, torch.stack(latents, dim=1).float(), torch.stack(logps, dim=1)
+
+
+def peer_update(peer, pipe, params, states, logps, adv, embeds, args):
+    """Flow-GRPO's per-timestep clipped update (train_sd3.py's loop at β = 0): every trained
+    timestep's loss backpropagated, one optimizer step for the batch (gradient accumulation)."""
+    pe, ne, pp, np_ = embeds
+    b, k = states.shape[0], args.steps - 1  # timestep_fraction 0.99 of 10: all steps but the last
+    sample = {
+        "latents": states[:, :-1].to(pipe.transformer.dtype),
+        "next_latents": states[:, 1:],
+        "timesteps": pipe.scheduler.timesteps.repeat(b, 1),
+        "log_probs": logps,
+    }
+    config = types.SimpleNamespace(
+        train=types.SimpleNamespace(cfg=True), sample=types.SimpleNamespace(guidance_scale=args.cfg)
+    )
+    config.sample.noise_level = args.noise_level
+    optimizer = peer["optimizer"]
+    for j in range(k):
+        _, logp, _, _ = peer["compute_log_prob"](
+            pipe.transformer, pipe, sample, j, torch.cat([ne, pe]), torch.cat([np_, pp]), config
+        )
+        ratio = torch.exp(logp - sample["log_probs"][:, j])
+        a = adv[:, j]
+        unclipped, clipped = -a * ratio, -a * torch.clamp(ratio, 1.0 - args.clip, 1.0 + args.clip)
+        (torch.mean(torch.maximum(unclipped, clipped)) / k).backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@torch.no_grad()
+def cross_check(peer, s, pipe, states, logps_peer, ro, cond, group, embeds, args) -> tuple[float, float]:
+    """Max |Δ logp|: ours re-scoring the peer's trajectory, and the peer's re-scoring ours."""
+    from flowcredit.sde import SAMPLERS
+
+    ours_on_peer, peer_on_ours = 0.0, 0.0
+    b = states.shape[0]
+    pe, ne, pp, np_ = embeds
+    config = types.SimpleNamespace(
+        train=types.SimpleNamespace(cfg=True), sample=types.SimpleNamespace(guidance_scale=args.cfg)
+    )
+    config.sample.noise_level = args.noise_level
+    sample = {
+        "latents": ro.states[:, :-1].to(pipe.transformer.dtype),
+        "next_latents": ro.states[:, 1:],
+        "timesteps": pipe.scheduler.timesteps.repeat(b, 1),
+    }
+    for i in range(args.steps - 1):
+        sigma, sigma_next = s.sigmas[i].item(), s.sigmas[i + 1].item()
+        v = s.model.velocity(states[:, i], s.sigmas[i].expand(b), cond[group])
+        step = SAMPLERS["flow_sde"](
+            v, states[:, i], sigma, sigma_next, args.noise_level, x_next=states[:, i + 1]
+        )
+        ours_on_peer = max(ours_on_peer, (step.logp - logps_peer[:, i].float().cpu()).abs().max().item())
+        _, logp, _, _ = peer["compute_log_prob"](
+            pipe.transformer, pipe, sample, i, torch.cat([ne, pe]), torch.cat([np_, pp]), config
+        )
+        peer_on_ours = max(peer_on_ours, (logp.float().cpu() - ro.logp[:, i]).abs().max().item())
+    return ours_on_peer, peer_on_ours
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--peer", required=True, help="the Flow-GRPO repository (e.g. ../shared/peers/flow_grpo)")
+    ap.add_argument("--size", choices=("tiny", "medium"), default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--resolution", type=int, default=0, help="pixels (0: 32 tiny, 1024 medium)")
+    ap.add_argument("--group", type=int, default=8, help="samples per iteration (rows of one batch)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--noise_level", type=float, default=0.7)
+    ap.add_argument("--cfg", type=float, default=4.5)
+    ap.add_argument("--clip", type=float, default=1e-4, help="PPO clip range (Flow-GRPO's SD3 default)")
+    ap.add_argument("--lora_rank", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5, help="timed iterations per side (after one warm-up)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="", help="write the numbers as JSON here")
+    args = ap.parse_args(argv)
+    args.resolution = args.resolution or (32 if args.size == "tiny" else 1024)
+    torch.set_num_threads(args.threads)
+    peer_root = Path(args.peer).resolve()
+    if not (peer_root / "flow_grpo" / "diffusers_patch" / "sd3_sde_with_logprob.py").is_file():
+        ap.error(f"--peer {args.peer}: not a Flow-GRPO checkout (no flow_grpo/diffusers_patch/)")
+    sys.path.insert(0, str(peer_root))
+    from flow_grpo.diffusers_patch.sd3_pipeline_with_logprob import pipeline_with_logprob
+    from flow_grpo.diffusers_patch.sd3_sde_with_logprob import sde_step_with_logprob
+
+    from flowcredit.config import Config
+    from flowcredit.models.sd3 import SD3FlowModel
+    from flowcredit.run.rollout import rollout, seeded
+    from flowcredit.run.session import build_session
+    from flowcredit.train import ppo_update
+    from flowcredit.validation import validate
+
+    peer = {"pipeline_with_logprob": pipeline_with_logprob}
+    namespace = {"torch": torch, "sde_step_with_logprob": sde_step_with_logprob}
+    peer["compute_log_prob"] = peer_function(
+        peer_root / "scripts" / "train_sd3.py", "compute_log_prob", namespace
+    )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pipe_dir = build_pipeline(args.size, Path(tmp) / "sd3")
+        model = SD3FlowModel.from_pretrained(
+            str(pipe_dir),
+            dtype=args.dtype,
+            device=args.device,
+            resolution=args.resolution,
+            guidance_scale=args.cfg,
+        )
+        cfg = Config(
+            model="sd3", sampler="flow_sde", noise_level=args.noise_level, credit="flow_grpo",
+            num_steps=args.steps, window_size=0, group_size=args.group, prompts_per_iter=1,
+            batch_size=args.group, steps_per_update=args.steps - 1, clip_range=args.clip, beta=0.0,
+            lora_rank=args.lora_rank, lora_alpha=float(args.lora_rank), threads=args.threads,
+            log_with="none", run_dir=str(Path(tmp) / "run"), reward="jpeg_compressibility",
+            train_prompts=str(Path(tmp) / "prompts.txt"), eval_prompts=str(Path(tmp) / "prompts.txt"),
+        )  # fmt: skip
+        Path(cfg.train_prompts).write_text("\n".join(PROMPTS) + "\n")
+        s = build_session(validate(cfg), model=model)
+        pipe, device = model.pipe, model.device
+        params = s.params
+        peer["optimizer"] = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # a LoRA away from zero, so both sides train a live adapter
+            for name, p in model.net.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(1e-3 * torch.randn(p.shape, generator=gen))
+        weights = s.policy.trainable_state()
+        prompts = [PROMPTS[k % len(PROMPTS)] for k in range(args.group)]
+        group = torch.arange(args.group)
+        with torch.no_grad():
+            cond = model.encode(prompts)
+            pe, ne, pp, np_ = pipe.encode_prompt(
+                prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+                do_classifier_free_guidance=True, max_sequence_length=model.max_sequence_length,
+            )  # fmt: skip
+        embeds = (pe, ne, pp, np_)
+        timer = Timer(device)
+        checks = None
+        for r in range(args.repeats + 1):
+            x0 = torch.randn(args.group, *model.latent_shape, generator=torch.Generator().manual_seed(r))
+            adv = torch.randn(args.group, args.steps, generator=torch.Generator().manual_seed(100 + r))
+            t = Timer(device)
+            with torch.no_grad():
+                torch.manual_seed(r)
+                images, states, logps_peer = t(
+                    "peer/rollout", peer_rollout, peer, pipe, embeds, x0.to(device), args
+                )
+                ro = t(
+                    "ours/rollout", rollout, model, cond, group, x0, s.sigmas, s.levels, s.step_fn,
+                    seeded(0, r, 2), "gaussian", args.group,
+                )  # fmt: skip
+                t("ours/rollout", model.decode, ro.states[:, -1])  # the peer's pipeline decodes too
+            pipe.scheduler.set_timesteps(args.steps, device=device)  # the peer's step looks t up here
+            if checks is None:
+                checks = cross_check(peer, s, pipe, states, logps_peer, ro, cond, group, embeds, args)
+            s.policy.load_trainable_state(weights)
+            t(
+                "peer/update",
+                peer_update,
+                peer,
+                pipe,
+                params,
+                states.to(device),
+                logps_peer,
+                adv.to(device),
+                embeds,
+                args,
+            )
+            s.policy.load_trainable_state(weights)
+            keep = torch.arange(args.group)
+            t("ours/update", ppo_update, s, ro, adv, prompts, group, keep, seeded(0, r, 3))
+            if r > 0:  # the first iteration warms up
+                for k, v in t.seconds.items():
+                    timer.seconds.setdefault(k, []).append(sum(v))
+    med = {k: statistics.median(v) for k, v in timer.seconds.items()}
+    report = {
+        "settings": vars(args),
+        "seconds_median": med,
+        "logp_max_abs_diff": dict(zip(("ours_on_peer", "peer_on_ours"), checks)),
+    }
+    for side in ("peer", "ours"):
+        total = med[f"{side}/rollout"] + med[f"{side}/update"]
+        report[f"{side}/iteration_s"] = total
+        report[f"{side}/samples_per_s"] = args.group / total
+    print(
+        f"{args.size} SD3, {args.group} samples × {args.steps} steps, {args.resolution}px, {args.dtype}, {args.device}, "
+        f"LoRA r={args.lora_rank}; median of {args.repeats} iterations after a warm-up"
+    )
+    print(f"{'phase':<10}{'Flow-GRPO s':>14}{'flowcredit s':>14}{'peer/ours':>11}")
+    for phase in ("rollout", "update", "iteration"):
+        a = med[f"peer/{phase}"] if phase != "iteration" else report["peer/iteration_s"]
+        b = med[f"ours/{phase}"] if phase != "iteration" else report["ours/iteration_s"]
+        print(f"{phase:<10}{a:>14.4f}{b:>14.4f}{a / b:>10.2f}×")
+    print(
+        f"samples/s: Flow-GRPO {report['peer/samples_per_s']:.2f}, flowcredit {report['ours/samples_per_s']:.2f}"
+    )
+    print(
+        f"same trajectory, max |Δ log p|: ours on the peer's {checks[0]:.2e}, the peer's on ours {checks[1]:.2e}"
+    )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
