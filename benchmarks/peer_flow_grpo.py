@@ -55,8 +55,12 @@ def build_pipeline(size: str, directory: Path) -> Path:
 
     if size == "tiny":
         return tiny_diffusers.build_sd3(directory)
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from diffusers import StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     vocab = len(tiny_diffusers.WORDS.split()) + 4
@@ -210,7 +214,7 @@ def cross_check(peer, s, pipe, states, logps_peer, ro, cond, group, embeds, args
     return ours_on_peer, peer_on_ours
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peer", required=True, help="the Flow-GRPO repository (e.g. ../shared/peers/flow_grpo)")
     ap.add_argument("--size", choices=("tiny", "medium"), default="tiny")
@@ -228,127 +232,129 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="write the numbers as JSON here")
     args = ap.parse_args(argv)
     args.resolution = args.resolution or (32 if args.size == "tiny" else 1024)
-    torch.set_num_threads(args.threads)
-    peer_root = Path(args.peer).resolve()
-    if not (peer_root / "flow_grpo" / "diffusers_patch" / "sd3_sde_with_logprob.py").is_file():
+    if not (Path(args.peer) / "flow_grpo" / "diffusers_patch" / "sd3_sde_with_logprob.py").is_file():
         ap.error(f"--peer {args.peer}: not a Flow-GRPO checkout (no flow_grpo/diffusers_patch/)")
-    sys.path.insert(0, str(peer_root))
+    return args
+
+
+def load_peer(root: Path) -> dict:
+    """The peer's sampling pipeline and per-timestep log-probability, imported from ``root``."""
+    sys.path.insert(0, str(root))
     from flow_grpo.diffusers_patch.sd3_pipeline_with_logprob import pipeline_with_logprob
     from flow_grpo.diffusers_patch.sd3_sde_with_logprob import sde_step_with_logprob
 
+    namespace = {"torch": torch, "sde_step_with_logprob": sde_step_with_logprob}
+    compute = peer_function(root / "scripts" / "train_sd3.py", "compute_log_prob", namespace)
+    return {"pipeline_with_logprob": pipeline_with_logprob, "compute_log_prob": compute}
+
+
+def our_session(args, tmp: Path):
+    """Our session on the pipeline (its transformer carries the LoRA both sides train)."""
     from flowcredit.config import Config
     from flowcredit.models.sd3 import SD3FlowModel
-    from flowcredit.run.rollout import rollout, seeded
     from flowcredit.run.session import build_session
-    from flowcredit.train import ppo_update
     from flowcredit.validation import validate
 
-    peer = {"pipeline_with_logprob": pipeline_with_logprob}
-    namespace = {"torch": torch, "sde_step_with_logprob": sde_step_with_logprob}
-    peer["compute_log_prob"] = peer_function(
-        peer_root / "scripts" / "train_sd3.py", "compute_log_prob", namespace
-    )
+    pipe_dir = build_pipeline(args.size, tmp / "sd3")
+    options = dict(dtype=args.dtype, device=args.device, resolution=args.resolution, guidance_scale=args.cfg)
+    model = SD3FlowModel.from_pretrained(str(pipe_dir), **options)
+    (tmp / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
+    cfg = Config(
+        model="sd3", sampler="flow_sde", noise_level=args.noise_level, credit="flow_grpo",
+        num_steps=args.steps, window_size=0, group_size=args.group, prompts_per_iter=1,
+        batch_size=args.group, steps_per_update=args.steps - 1, clip_range=args.clip, beta=0.0,
+        lora_rank=args.lora_rank, lora_alpha=float(args.lora_rank), threads=args.threads,
+        log_with="none", run_dir=str(tmp / "run"), reward="jpeg_compressibility",
+        train_prompts=str(tmp / "prompts.txt"), eval_prompts=str(tmp / "prompts.txt"),
+    )  # fmt: skip
+    s = build_session(validate(cfg), model=model)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a LoRA away from zero, so both sides train a live adapter
+        for name, p in model.net.named_parameters():
+            if "lora_B" in name:
+                p.copy_(1e-3 * torch.randn(p.shape, generator=gen))
+    return s
 
-    with tempfile.TemporaryDirectory() as tmp:
-        pipe_dir = build_pipeline(args.size, Path(tmp) / "sd3")
-        model = SD3FlowModel.from_pretrained(
-            str(pipe_dir),
-            dtype=args.dtype,
-            device=args.device,
-            resolution=args.resolution,
-            guidance_scale=args.cfg,
-        )
-        cfg = Config(
-            model="sd3", sampler="flow_sde", noise_level=args.noise_level, credit="flow_grpo",
-            num_steps=args.steps, window_size=0, group_size=args.group, prompts_per_iter=1,
-            batch_size=args.group, steps_per_update=args.steps - 1, clip_range=args.clip, beta=0.0,
-            lora_rank=args.lora_rank, lora_alpha=float(args.lora_rank), threads=args.threads,
-            log_with="none", run_dir=str(Path(tmp) / "run"), reward="jpeg_compressibility",
-            train_prompts=str(Path(tmp) / "prompts.txt"), eval_prompts=str(Path(tmp) / "prompts.txt"),
-        )  # fmt: skip
-        Path(cfg.train_prompts).write_text("\n".join(PROMPTS) + "\n")
-        s = build_session(validate(cfg), model=model)
-        pipe, device = model.pipe, model.device
-        params = s.params
-        peer["optimizer"] = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():  # a LoRA away from zero, so both sides train a live adapter
-            for name, p in model.net.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(1e-3 * torch.randn(p.shape, generator=gen))
-        weights = s.policy.trainable_state()
-        prompts = [PROMPTS[k % len(PROMPTS)] for k in range(args.group)]
-        group = torch.arange(args.group)
+
+def measure(peer: dict, s, args) -> tuple[dict, tuple[float, float]]:
+    """Median seconds per phase and side over ``args.repeats`` iterations (after one warm-up), and
+    the cross-checked log-probability differences."""
+    from flowcredit.run.rollout import rollout, seeded
+    from flowcredit.train import ppo_update
+
+    model, pipe, device = s.model, s.model.pipe, s.model.device
+    peer["optimizer"] = torch.optim.AdamW(s.params, lr=s.cfg.lr, weight_decay=s.cfg.weight_decay)
+    weights = s.policy.trainable_state()
+    prompts = [PROMPTS[k % len(PROMPTS)] for k in range(args.group)]
+    group = keep = torch.arange(args.group)
+    with torch.no_grad():
+        cond = model.encode(prompts)
+        embeds = pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+            do_classifier_free_guidance=True, max_sequence_length=model.max_sequence_length,
+        )  # fmt: skip  # (prompt, negative, pooled, negative pooled)
+    seconds, checks = {}, None
+    for r in range(args.repeats + 1):
+        x0 = torch.randn(args.group, *model.latent_shape, generator=torch.Generator().manual_seed(r))
+        adv = torch.randn(args.group, args.steps, generator=torch.Generator().manual_seed(100 + r))
+        t = Timer(device)
         with torch.no_grad():
-            cond = model.encode(prompts)
-            pe, ne, pp, np_ = pipe.encode_prompt(
-                prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-                do_classifier_free_guidance=True, max_sequence_length=model.max_sequence_length,
+            torch.manual_seed(r)
+            _, states, logps = t("peer/rollout", peer_rollout, peer, pipe, embeds, x0.to(device), args)
+            ro = t(
+                "ours/rollout", rollout, model, cond, group, x0, s.sigmas, s.levels, s.step_fn,
+                seeded(0, r, 2), "gaussian", args.group,
             )  # fmt: skip
-        embeds = (pe, ne, pp, np_)
-        timer = Timer(device)
-        checks = None
-        for r in range(args.repeats + 1):
-            x0 = torch.randn(args.group, *model.latent_shape, generator=torch.Generator().manual_seed(r))
-            adv = torch.randn(args.group, args.steps, generator=torch.Generator().manual_seed(100 + r))
-            t = Timer(device)
-            with torch.no_grad():
-                torch.manual_seed(r)
-                images, states, logps_peer = t(
-                    "peer/rollout", peer_rollout, peer, pipe, embeds, x0.to(device), args
-                )
-                ro = t(
-                    "ours/rollout", rollout, model, cond, group, x0, s.sigmas, s.levels, s.step_fn,
-                    seeded(0, r, 2), "gaussian", args.group,
-                )  # fmt: skip
-                t("ours/rollout", model.decode, ro.states[:, -1])  # the peer's pipeline decodes too
-            pipe.scheduler.set_timesteps(args.steps, device=device)  # the peer's step looks t up here
-            if checks is None:
-                checks = cross_check(peer, s, pipe, states, logps_peer, ro, cond, group, embeds, args)
-            s.policy.load_trainable_state(weights)
-            t(
-                "peer/update",
-                peer_update,
-                peer,
-                pipe,
-                params,
-                states.to(device),
-                logps_peer,
-                adv.to(device),
-                embeds,
-                args,
-            )
-            s.policy.load_trainable_state(weights)
-            keep = torch.arange(args.group)
-            t("ours/update", ppo_update, s, ro, adv, prompts, group, keep, seeded(0, r, 3))
-            if r > 0:  # the first iteration warms up
-                for k, v in t.seconds.items():
-                    timer.seconds.setdefault(k, []).append(sum(v))
-    med = {k: statistics.median(v) for k, v in timer.seconds.items()}
+            t("ours/rollout", model.decode, ro.states[:, -1])  # the peer's pipeline decodes too
+        pipe.scheduler.set_timesteps(args.steps, device=device)  # the peer's step looks t up here
+        if checks is None:
+            checks = cross_check(peer, s, pipe, states, logps, ro, cond, group, embeds, args)
+        s.policy.load_trainable_state(weights)
+        update_args = (peer, pipe, s.params, states.to(device), logps, adv.to(device), embeds, args)
+        t("peer/update", peer_update, *update_args)
+        s.policy.load_trainable_state(weights)
+        t("ours/update", ppo_update, s, ro, adv, prompts, group, keep, seeded(0, r, 3))
+        if r > 0:  # the first iteration warms up
+            for k, v in t.seconds.items():
+                seconds.setdefault(k, []).append(sum(v))
+    return {k: statistics.median(v) for k, v in seconds.items()}, checks
+
+
+def summarise(args, med: dict, checks) -> dict:
+    """The report (JSON) and its printed table."""
     report = {
         "settings": vars(args),
         "seconds_median": med,
         "logp_max_abs_diff": dict(zip(("ours_on_peer", "peer_on_ours"), checks)),
     }
     for side in ("peer", "ours"):
-        total = med[f"{side}/rollout"] + med[f"{side}/update"]
-        report[f"{side}/iteration_s"] = total
-        report[f"{side}/samples_per_s"] = args.group / total
+        med[f"{side}/iteration"] = med[f"{side}/rollout"] + med[f"{side}/update"]
+        report[f"{side}/iteration_s"] = med[f"{side}/iteration"]
+        report[f"{side}/samples_per_s"] = args.group / med[f"{side}/iteration"]
     print(
-        f"{args.size} SD3, {args.group} samples × {args.steps} steps, {args.resolution}px, {args.dtype}, {args.device}, "
-        f"LoRA r={args.lora_rank}; median of {args.repeats} iterations after a warm-up"
+        f"{args.size} SD3, {args.group} samples × {args.steps} steps, {args.resolution}px, {args.dtype}, "
+        f"{args.device}, LoRA r={args.lora_rank}; median of {args.repeats} iterations after a warm-up"
     )
     print(f"{'phase':<10}{'Flow-GRPO s':>14}{'flowcredit s':>14}{'peer/ours':>11}")
     for phase in ("rollout", "update", "iteration"):
-        a = med[f"peer/{phase}"] if phase != "iteration" else report["peer/iteration_s"]
-        b = med[f"ours/{phase}"] if phase != "iteration" else report["ours/iteration_s"]
+        a, b = med[f"peer/{phase}"], med[f"ours/{phase}"]
         print(f"{phase:<10}{a:>14.4f}{b:>14.4f}{a / b:>10.2f}×")
+    peer_rate, our_rate = report["peer/samples_per_s"], report["ours/samples_per_s"]
+    print(f"samples/s: Flow-GRPO {peer_rate:.2f}, flowcredit {our_rate:.2f}")
+    ours_on_peer, peer_on_ours = checks
     print(
-        f"samples/s: Flow-GRPO {report['peer/samples_per_s']:.2f}, flowcredit {report['ours/samples_per_s']:.2f}"
+        f"same trajectory, max |Δ log p|: ours on the peer's {ours_on_peer:.2e}, theirs on ours {peer_on_ours:.2e}"
     )
-    print(
-        f"same trajectory, max |Δ log p|: ours on the peer's {checks[0]:.2e}, the peer's on ours {checks[1]:.2e}"
-    )
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    peer = load_peer(Path(args.peer).resolve())
+    with tempfile.TemporaryDirectory() as tmp:
+        med, checks = measure(peer, our_session(args, Path(tmp)), args)
+    report = summarise(args, med, checks)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
