@@ -343,7 +343,8 @@ def summarise(args, med: dict, checks) -> dict:
     print(f"samples/s: Flow-GRPO {peer_rate:.2f}, flowcredit {our_rate:.2f}")
     ours_on_peer, peer_on_ours = checks
     print(
-        f"same trajectory, max |Δ log p|: ours on the peer's {ours_on_peer:.2e}, theirs on ours {peer_on_ours:.2e}"
+        f"same trajectory, max |Δ log p|: ours on the peer's {ours_on_peer:.2e}, "
+        f"theirs on ours {peer_on_ours:.2e}"
     )
     return report
 
