@@ -52,7 +52,8 @@ def demo() -> Config:
     """The default CPU job (make demo): TP-GRPO credit (CPS α = 0.7 on steps 0–4, turning points) with
     LoRA r = 4 on the built-in U-Net, 4 counting prompts × 12, lr 3e-4, 10 iterations (≈ 8 minutes
     here). Of the four methods under this recipe it was the one whose held-out score never fell
-    below the noise floor over 3 seeds (docs/recipes.md); ``max_minutes`` is only a safety cap."""
+    below the noise floor over 3 seeds (docs/recipes.md). No minutes cap: a preset's result depends
+    on its seed and settings only."""
     from importlib import resources
 
     prompts = str(resources.files("flowcredit") / "tasks" / "data" / "demo_prompts.jsonl")
@@ -68,20 +69,10 @@ def demo() -> Config:
         steps_per_update=1,
         lr=3e-4,
         iterations=10,
-        max_minutes=14.0,
         eval_every=5,
         num_eval_prompts=16,
         eval_samples_per_prompt=8,
     )
-
-
-def _cpu_has_amx() -> bool:
-    """Whether this Linux CPU has AMX-bf16 (where bf16 autocast halves the tiny model's time; on
-    AVX2-only CPUs it is 14× slower, docs/tiny_model.md)."""
-    try:
-        return " amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 def skill() -> Config:
@@ -89,11 +80,12 @@ def skill() -> Config:
     Flow-GRPO credit with the batch std (CPS α = 0.7 on the 5 layout steps 0–4), prompts drawn
     category-balanced, the reward 0.3 soft + 0.7 strict (a surplus object fails the image), lr 1.5e-4
     with a KL to the reference (β = 0.15, Flow-GRPO's form: KL 1–7e-5), EMA 0.95 evaluated and
-    exported, every held-out prompt evaluated; 450 iterations (about 45 min of iterations here with
-    bf16 autocast, on by default where the CPU has AMX; in float32 the 60-minute cap stops it near
-    340). Recipe J, the best of the thirteen measured: +0.071 / +0.065 held-out strict on two seeds
-    (floor ±0.009 / ±0.011; +0.057 / +0.055 on fresh noise seeds), no category lower by more than
-    its floor. β = 0.3 read +0.061 / +0.039 at 450 iterations, β = 1 +0.036 / +0.036 at 340."""
+    exported, every held-out prompt evaluated; 450 iterations, no minutes cap, float32 on every CPU
+    (``--autocast true`` is a speed option for CPUs with AMX, about 2× faster there and 14× slower
+    without it; its bf16 rounding changes the numbers). Recipe J, the best of the thirteen measured
+    (with ``--autocast true`` on an AMX CPU): +0.071 / +0.065 held-out strict on two seeds (floor
+    ±0.009 / ±0.011; +0.057 / +0.055 on fresh noise seeds), no category lower by more than its floor.
+    β = 0.3 read +0.061 / +0.039 at 450 iterations, β = 1 +0.036 / +0.036 at 340."""
     return Config(
         sampler="cps",
         noise_level=0.7,
@@ -110,9 +102,7 @@ def skill() -> Config:
         beta=0.15,
         kl_mode="flow_grpo",
         ema_decay=0.95,
-        autocast=_cpu_has_amx(),
         iterations=450,
-        max_minutes=60.0,
         eval_every=120,
         num_eval_prompts=0,
         eval_samples_per_prompt=4,

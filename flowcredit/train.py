@@ -271,6 +271,7 @@ def train(
     t_start = time.time()
     resumed_at = s.start_iteration if resume else None
     log = RunLog(s.run_dir, resumed_at, cfg.log_with, asdict(cfg)) if main else None
+    done = s.start_iteration
     try:
         if s.start_iteration == 0 and (main or s.dist.sharded):
             scores = evaluated(s, log, 0, "start")
@@ -307,4 +308,7 @@ def train(
         return {}
     if main:
         plot_curves(s.run_dir)
-    return final_artifacts(s, time.time() - t_start)  # FSDP: every rank gathers, rank 0 writes
+    early = None  # a run cut short is not the run of its settings: the summary says so
+    if done < cfg.iterations:
+        early = "Ctrl-C" if interrupted["flag"] else f"max_minutes={cfg.max_minutes:g}"
+    return final_artifacts(s, time.time() - t_start, early)  # FSDP: every rank gathers, rank 0 writes

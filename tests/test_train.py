@@ -213,3 +213,22 @@ def test_a_non_shapeeval_reward_logs_plain_json_and_names_its_score(tmp_path, ca
     rows = [json.loads(line, parse_constant=refuse) for line in lines]
     assert "eval/test/soft" in rows[0] and "eval/test/strict" not in rows[0]
     assert "(mean jpeg_compressibility, ODE" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_no_preset_caps_by_minutes_or_depends_on_the_cpu(preset):
+    """A preset's result depends on its seed and settings: no wall-clock cap, and float32 numerics on
+    every CPU (bf16 autocast is the user's explicit speed option)."""
+    cfg = PRESETS[preset]()
+    assert cfg.max_minutes == 0 and cfg.autocast is False
+
+
+def test_a_minutes_cap_says_the_run_stopped_early(tmp_path, capsys):
+    cfg = small_config("flow_grpo", tmp_path / "run", iterations=3, max_minutes=1e-9)
+    summary = train(cfg)
+    assert summary["iterations"] == 1 and summary["stopped_early"] == {
+        "by": "max_minutes=1e-09",
+        "iterations": 3,
+    }
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["stopped_early"]["iterations"] == 3
+    assert "stopped early by max_minutes=1e-09 after 1 of 3 iterations" in capsys.readouterr().out

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config("demo", None, overrides)
     print(
         f"flowcredit demo: {cfg.credit} with LoRA r={cfg.lora_rank} on the built-in model, "
-        f"{cfg.iterations} iterations (capped at {cfg.max_minutes:g} minutes), outputs in {cfg.run_dir}/",
+        f"{cfg.iterations} iterations, outputs in {cfg.run_dir}/",
         flush=True,
     )
     from flowcredit.train import train

@@ -12,14 +12,17 @@ from flowcredit.rewards import uses_shapeeval
 from flowcredit.run.runlog import read_metrics
 
 
-def final_artifacts(s, elapsed: float) -> dict:
+def final_artifacts(s, elapsed: float, stopped_early: str | None = None) -> dict:
     """Write ``final/`` (:func:`export_final`), ``summary.json``, and print the summary of the run
     ``s`` (a ``flowcredit.run.session.Session``); returns the summary (``{}`` off rank 0). Every rank
-    calls it under FSDP (the export gathers the weights collectively), rank 0 alone otherwise."""
+    calls it under FSDP (the export gathers the weights collectively), rank 0 alone otherwise.
+    ``stopped_early``: what cut the run short of ``cfg.iterations`` (Ctrl-C, ``max_minutes``)."""
     export_final(s)
     if not s.dist.is_main:
         return {}
     summary = run_summary(s, elapsed)
+    if stopped_early:
+        summary["stopped_early"] = {"by": stopped_early, "iterations": s.cfg.iterations}
     (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary, s.cfg.credit, str(s.run_dir)))
     return summary
@@ -70,5 +73,11 @@ def format_summary(summary: dict, credit: str, run_dir: str) -> str:
                 f"  eval {name:>5} ({score}, ODE, fixed noise): before {e['before']:.3f} → after "
                 f"{e['after']:.3f} (best {e['best']:.3f}); noise floor ±{e['noise_floor']:.3f}"
             )
+    if "stopped_early" in summary:
+        early = summary["stopped_early"]
+        lines.append(
+            f"  stopped early by {early['by']} after {summary['iterations']} of {early['iterations']} "
+            "iterations: this is not the full run of these settings (continue it with --resume)"
+        )
     lines.append(f"  outputs in {run_dir}/ (metrics.jsonl, reward_curve.png, grid_*.png, final/)")
     return "\n".join(lines)
