@@ -249,3 +249,60 @@ def test_missing_content_length_and_chunked_are_refused(served):
     assert b" 411 " in raw_exchange(port, no_length)[:20]
     chunked = b"POST /score HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n" + auth + b"\r\n0\r\n\r\n"
     assert b" 411 " in raw_exchange(port, chunked)[:20]
+
+
+# --- issue 26: a reward's exit, paths in errors, 16-bit PNGs, a poisoned batch ---------------------
+
+
+@pytest.mark.parametrize("exc", [SystemExit("bye"), KeyboardInterrupt()])
+def test_a_reward_that_exits_is_a_500_and_the_server_goes_on(served, exc):
+    probe, port = served
+    probe.fail_next = [exc]
+    status, data = request(port, body=payload(1)[1])
+    assert status == 500 and type(exc).__name__ in data["error"]
+    assert request(port, body=payload(1)[1])[0] == 200  # every reward on it still serves
+
+
+def test_error_bodies_carry_no_file_paths(served):
+    probe, port = served
+    probe.fail_next = [FileNotFoundError(2, "No such file", "/models/secret-store/pickscore/weights.bin")]
+    status, data = request(port, body=payload(1)[1])
+    assert status == 500 and "FileNotFoundError" in data["error"] and "(path)" in data["error"]
+    assert "secret-store" not in data["error"] and "/models" not in data["error"]
+
+
+def test_a_16_bit_png_is_refused_not_clipped(served):
+    """A 16-bit grey value of 128·257 used to reach the reward as 1.0 (clipped at 255), not 0.502."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    probe, port = served
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8), 128 * 257, dtype=np.uint16)).save(buf, format="PNG")
+    body = {"images": [base64.b64encode(buf.getvalue()).decode()], "prompts": ["a"]}
+    status, data = request(port, body=body)
+    assert status == 400 and "8-bit" in data["error"] and probe.batches == []
+
+
+def test_one_bad_request_costs_log_n_extra_reward_calls():
+    """15 good requests and 1 the reward rejects, merged into one call: the failing call is halved
+    until the bad one is alone (≤ 2·log2 16 further calls; scoring each request alone took 16)."""
+    probe = Probe()
+    limits = Limits(max_batch=16, max_wait_ms=20, max_pixels=64 * 64, timeout_s=30, max_concurrency=32)
+    with start_server({"probe": probe}, token=TOKEN, limits=limits) as running:
+        port = int(running.url.rsplit(":", 1)[1])
+        batcher = running._server.config.app.state.service.batchers["probe"]
+        probe.gate = threading.Event()
+        bodies = [payload(1, prompt=f"good {k}")[1] for k in range(15)] + [payload(1, prompt="reject me")[1]]
+        with ThreadPoolExecutor(17) as pool:
+            first = pool.submit(request, port, body=payload(1)[1])
+            assert probe.entered.wait(60)
+            answers = [pool.submit(request, port, body=b) for b in bodies]
+            wait_until(lambda: len(batcher._queue) == 16)
+            probe.gate.set()
+            assert first.result()[0] == 200
+            codes = [a.result()[0] for a in answers]
+    assert codes == [200] * 15 + [422]
+    assert probe.batches[1] == 16 and len(probe.batches) - 2 <= 2 * 4, probe.batches

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from flowcredit.errors import UserError
 from flowcredit.rewards import Reward, RewardOutputError
 from flowcredit.rewards.batcher import Batcher
-from flowcredit.rewards.wire import ServeError, parse_score_request, public_message
+from flowcredit.rewards.wire import ServeError, parse_score_request, public_message, without_paths
 
 EXTRA_HINT = "pip install 'flowcredit[serve]'"
 
@@ -122,12 +122,12 @@ class RewardService:
         if isinstance(exc, ServeError):
             return exc.status, str(exc)
         if isinstance(exc, RewardOutputError):
-            return 500, f"reward {name!r} is broken: {exc}"
+            return 500, f"reward {name!r} is broken: {without_paths(str(exc))}"
         if isinstance(exc, ValueError):
-            return 422, f"reward {name!r} rejected the input: {exc}"
-        if not self.quiet:
+            return 422, f"reward {name!r} rejected the input: {without_paths(str(exc))}"
+        if not self.quiet:  # the server's log keeps the whole text, paths included
             traceback.print_exception(type(exc), exc, exc.__traceback__)
-        return 500, f"reward {name!r} failed: {type(exc).__name__}: {exc}"
+        return 500, f"reward {name!r} failed: {type(exc).__name__}: {without_paths(str(exc))}"
 
 
 async def _read_body(request, n: int) -> bytearray:

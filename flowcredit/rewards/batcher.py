@@ -56,6 +56,10 @@ def _to_scores(value, n: int) -> list[float | None]:
     return [v if math.isfinite(v) else None for v in value.tolist()]
 
 
+class RewardAborted(RuntimeError):
+    """A reward raised ``SystemExit`` or ``KeyboardInterrupt``: reported as 500, the server goes on."""
+
+
 class Batcher:
     """Merges concurrent :meth:`score` calls into calls of ``reward_fn(images, prompts, metadata)``.
 
@@ -157,11 +161,13 @@ class Batcher:
         try:
             results = await asyncio.get_running_loop().run_in_executor(self._thread, self._call, batch)
         except Exception as exc:
-            requests = {id(s.pending) for s in batch}
+            requests = list(dict.fromkeys(id(s.pending) for s in batch))  # in arrival order
             if len(requests) == 1:
                 return self._fail(batch[0].pending, exc)
-            for key in requests:  # find whose input failed: score each request's part alone
-                await self._score_batch([s for s in batch if id(s.pending) == key])
+            # find whose input failed by halving: one bad request among n costs O(log n) extra calls
+            half = set(requests[: len(requests) // 2])
+            await self._score_batch([s for s in batch if id(s.pending) in half])
+            await self._score_batch([s for s in batch if id(s.pending) not in half])
             return
         for s, scores in results:
             s.pending.scores[s.start : s.stop] = scores
@@ -185,7 +191,15 @@ class Batcher:
         self.calls += 1
         images = torch.from_numpy(np.concatenate(pixels)).permute(0, 3, 1, 2).float().div_(255.0)
         del pixels
-        scores = _to_scores(self.reward_fn(images, prompts, metadata), len(prompts))
+        try:
+            raw = self.reward_fn(images, prompts, metadata)
+        except Exception:
+            raise
+        except (
+            BaseException
+        ) as exc:  # SystemExit / KeyboardInterrupt inside a reward must not stop the server
+            raise RewardAborted(f"the reward raised {type(exc).__name__}: {exc}") from None
+        scores = _to_scores(raw, len(prompts))
         out, i = [], 0
         for s in good:
             out.append((s, scores[i : i + s.stop - s.start]))

@@ -33,6 +33,15 @@ class ServeError(Exception):
         self.status = status
 
 
+_PATH = re.compile(r"(?:[A-Za-z]:\\|~?/)(?:[\w.@+-]+[/\\])+[\w.@+-]*")  # /a/b/c, ~/x/y, C:\x\y
+
+
+def without_paths(text: str) -> str:
+    """``text`` with file paths of two or more parts replaced by ``(path)`` (a reward's exception
+    may name its weights' location; the server's own log keeps the full text)."""
+    return _PATH.sub("(path)", text)
+
+
 def public_message(text: str, secrets: tuple[str, ...] = ()) -> str:
     """``text`` fit for an error body: memory addresses and secrets (of 8+ characters: a shorter one
     would garble common words) removed, at most 500 characters."""
@@ -82,6 +91,8 @@ def _png_size(data, max_pixels: int) -> tuple[bytes, tuple[int, int]]:
         raise ServeError(400, f"undecodable image: {type(exc).__name__}: {exc}") from None
     if fmt != "PNG":
         raise ServeError(400, f"images must be PNG, got {fmt}")
+    if len(png) > 24 and png[24] > 8:  # IHDR's bit depth: 8-bit channels only (16-bit grey clipped at 255)
+        raise ServeError(400, f"images must be 8-bit PNGs, got {png[24]} bits per channel")
     if size[0] * size[1] > max_pixels:
         raise ServeError(413, f"image of {size[0]}x{size[1]} exceeds {max_pixels} pixels")
     return png, size
