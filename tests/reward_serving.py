@@ -25,9 +25,11 @@ class Probe:
         self.batches, self.fail_next, self.sleep = [], [], 0.0
         self.gate: threading.Event | None = None  # when set up, a call waits until the test opens it
         self.entered = threading.Event()  # set by every call
+        self.prompts: list[list[str]] = []  # the prompts of every call, in order
 
     def __call__(self, images, prompts, metadata):
         self.batches.append(len(prompts))
+        self.prompts.append(list(prompts))
         self.entered.set()
         if self.gate is not None:
             assert self.gate.wait(60), "the test never opened the gate"

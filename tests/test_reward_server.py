@@ -306,3 +306,23 @@ def test_one_bad_request_costs_log_n_extra_reward_calls():
             codes = [a.result()[0] for a in answers]
     assert codes == [200] * 15 + [422]
     assert probe.batches[1] == 16 and len(probe.batches) - 2 <= 2 * 4, probe.batches
+
+
+def test_a_small_request_is_not_stuck_behind_a_large_one(server, served):
+    """A 64-image request (16 calls of 4) queued before a 1-image one: the small one goes in the
+    second call after the reward frees up, not after the large one's sixteen."""
+    probe, port = served
+    probe.gate = threading.Event()
+    batcher = server.service.batchers["probe"]
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(request, port, body=payload(1, prompt="first")[1])
+        assert probe.entered.wait(60)
+        large = pool.submit(request, port, body=payload(64, size=8, prompt="large")[1])
+        wait_until(lambda: len(batcher._queue) == 16)
+        small = pool.submit(request, port, body=payload(1, size=8, prompt="small")[1])
+        wait_until(lambda: len(batcher._queue) == 17)
+        probe.gate.set()
+        assert first.result()[0] == 200 and large.result()[0] == 200 and small.result()[0] == 200
+    probe.gate = None
+    turn = next(k for k, prompts in enumerate(probe.prompts) if "small" in prompts)
+    assert turn == 2, [sorted(set(p)) for p in probe.prompts]  # call 0: "first"; call 1: 4 of "large"

@@ -33,6 +33,7 @@ class _Pending:
     future: asyncio.Future
     scores: list = field(default_factory=list)
     left: int = 0  # images not scored yet
+    served: int = -1  # the last reward call that took some of its images (-1: none yet)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Batcher:
         self.reward_fn, self.max_batch, self.max_wait_s = reward_fn, max_batch, max_wait_s
         self.calls = 0  # reward calls made, for /health and tests
         self._last_batch = 0  # images in the last call
+        self._taken = 0  # batches taken so far (orders requests by when they were last served)
         self._queue: deque[_Slice] = deque()
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
@@ -122,6 +124,7 @@ class Batcher:
                 break
             self._arrived.clear()
             await self._arrived.wait()
+        self._fair_order()
         size = self._queue[0].pending.request.size
         deadline = max(self._queue[0].since, free_since) + self.max_wait_s
         enough = min(self.max_batch, self._last_batch or self.max_batch)
@@ -132,6 +135,12 @@ class Batcher:
             except asyncio.TimeoutError:
                 break
         return self._take(size)
+
+    def _fair_order(self) -> None:
+        """Requests not served yet first (in arrival order), then those served longest ago: a large
+        request split over many calls takes turns with the requests that arrive behind it, so a
+        small one waits at most about one call, not the whole large one."""
+        self._queue = deque(sorted(self._queue, key=lambda s: s.pending.served))
 
     def _take(self, size) -> list[_Slice]:
         batch, room, rest = [], self.max_batch, deque()
@@ -146,6 +155,9 @@ class Batcher:
             room -= stop - s.start
         self._queue = rest
         self._last_batch = self.max_batch - room
+        self._taken += 1
+        for s in batch:
+            s.pending.served = self._taken
         return batch
 
     async def _run(self) -> None:
