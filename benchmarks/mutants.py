@@ -237,6 +237,21 @@ MUTANTS = [
         "            pass",
         ("tests/test_trained_cli.py",), "a failed start leaves run_dir/config.json behind",
     ),
+    Mutant(
+        "slot_before_body", "server", "flowcredit/rewards/app.py",
+        "            async with service.bodies.hold(n):\n                phase = \"reading the body\"",
+        "            async with service.bodies.hold(n), service.slots:\n"
+        "                phase = \"reading the body\"",
+        ("tests/test_reward_server.py::test_slow_uploads_do_not_block_other_clients",),
+        "a request takes a scoring slot before its body arrives: slow uploads block everyone",
+    ),
+    Mutant(
+        "fifo_batching", "server", "flowcredit/rewards/batcher.py",
+        "        self._fair_order()\n",
+        "",
+        ("tests/test_reward_server.py::test_a_small_request_is_not_stuck_behind_a_large_one",),
+        "a small request waits behind every call of a large one",
+    ),
 ]  # fmt: skip
 
 

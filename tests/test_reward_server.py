@@ -58,7 +58,7 @@ def test_probe_deep_json_nesting_is_400(served):
     assert request(port, body=payload(1)[1])[0] == 200
 
 
-def test_probe_slow_client_hits_the_total_deadline():
+def test_probe_slow_client_hits_the_total_deadline():  # and body_timeout_s: tests below
     """One byte every 0.2 s: answered (408) or dropped at the 1 s deadline, not kept waiting for the
     30 s the client would go on (the bound is generous: it separates the two, not fast from slow)."""
     with start_server({"probe": Probe()}, limits=Limits(timeout_s=1.0)) as running:
@@ -326,3 +326,33 @@ def test_a_small_request_is_not_stuck_behind_a_large_one(server, served):
     probe.gate = None
     turn = next(k for k, prompts in enumerate(probe.prompts) if "small" in prompts)
     assert turn == 2, [sorted(set(p)) for p in probe.prompts]  # call 0: "first"; call 1: 4 of "large"
+
+
+def test_slow_uploads_do_not_block_other_clients():
+    """More slow uploads than scoring slots (3 clients that send 10 of 1,000 body bytes, 2 slots):
+    a well-behaved request is answered at once; it used to wait for a slot until the slow ones' 30 s
+    deadline, past the 20 s its client waits."""
+    limits = Limits(max_concurrency=2, timeout_s=60, body_timeout_s=30)
+    with start_server({"probe": Probe()}, token=TOKEN, limits=limits) as running:
+        port = int(running.url.rsplit(":", 1)[1])
+        head = f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+        head += "Content-Length: 1000\r\n\r\n"
+        slow = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3)]
+        try:
+            for s in slow:
+                s.sendall(head.encode() + b"x" * 10)
+            assert request(port, body=payload(1)[1])[0] == 200  # request() gives up after 20 s
+        finally:
+            for s in slow:
+                s.close()
+
+
+def test_a_body_that_does_not_arrive_gets_408_at_body_timeout():
+    limits = Limits(timeout_s=60, body_timeout_s=1)
+    with start_server({"probe": Probe()}, token=TOKEN, limits=limits) as running:
+        port = int(running.url.rsplit(":", 1)[1])
+        head = (
+            f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 9\r\n\r\n"
+        )
+        answer = raw_exchange(port, head.encode() + b"x", timeout=30)
+    assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout_s=1" in answer

@@ -30,7 +30,8 @@ class Limits:
     max_wait_ms: float = 50.0  # longest an image waits for others to share its reward call
     max_pixels: int = 2048 * 2048  # largest image, checked in the PNG header before decoding
     timeout_s: float = 120.0  # total time for one request: queueing, reading the body and scoring
-    max_concurrency: int = 16  # requests read, parsed and scored at once; others wait for a slot
+    max_concurrency: int = 16  # requests parsed and scored at once; others wait for a slot
+    body_timeout_s: float = 30.0  # time to receive one body (408 past it), within timeout_s
     max_connections: int = 256  # open connections; beyond them uvicorn answers 503
 
     def __post_init__(self):
@@ -68,6 +69,7 @@ class RewardService:
         self.token, self.limits, self.quiet = token, limits, quiet
         self.batchers: dict[str, Batcher] = {}
         self.slots: asyncio.Semaphore | None = None
+        self.bodies: ByteBudget | None = None
 
     def start(self) -> None:
         """Create the batchers and the slot semaphore in the running event loop."""
@@ -76,6 +78,7 @@ class RewardService:
         for batcher in self.batchers.values():
             batcher.start()
         self.slots = asyncio.Semaphore(self.limits.max_concurrency)
+        self.bodies = ByteBudget(self.limits.max_concurrency * self.limits.max_body_bytes)
 
     async def stop(self) -> None:
         """Stop the batchers' workers (at shutdown)."""
@@ -145,24 +148,54 @@ async def _read_body(request, n: int) -> bytearray:
     return body
 
 
+class ByteBudget:
+    """Bytes of request bodies held at once (announced Content-Lengths): a body is read only when its
+    length fits, and counts until its request is answered. The memory bound of the raw bodies is the
+    budget (``max_concurrency × max_body_bytes``), as when a body needed a scoring slot; but a slow
+    client now holds only its own announced bytes, not one of the ``max_concurrency`` slots."""
+
+    def __init__(self, total: int):
+        self.free, self._changed = total, asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, n: int):
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.free >= n)
+            self.free -= n
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.free += n
+                self._changed.notify_all()
+
+
 async def _score(service: RewardService, request, name: str) -> list:
-    """Checks, then (under one deadline) a slot, the body, parsing and the batched reward call."""
+    """Checks, then under one deadline: room for the body, the body (under its own deadline), a
+    scoring slot, parsing and the batched reward call."""
     import anyio
 
     service.check_auth(request.headers.get("authorization"))
     batcher = service.batcher(name)
     n = service.body_length(request.headers)
-    limits, phase = service.limits, "waiting for a free slot"
+    limits, phase = service.limits, "waiting for room for the body"
     try:
         with anyio.fail_after(limits.timeout_s) as deadline:
-            async with service.slots:
+            async with service.bodies.hold(n):
                 phase = "reading the body"
-                body = await _read_body(request, n)
-                phase = "scoring"
-                parsed = await anyio.to_thread.run_sync(parse_score_request, body, limits.max_pixels)
-                del body
-                return await batcher.score(parsed)
+                with anyio.fail_after(limits.body_timeout_s) as body_deadline:
+                    body = await _read_body(request, n)
+                phase = "waiting for a free slot"
+                async with service.slots:
+                    phase = "scoring"
+                    parsed = await anyio.to_thread.run_sync(parse_score_request, body, limits.max_pixels)
+                    del body
+                    return await batcher.score(parsed)
     except TimeoutError:
+        if phase == "reading the body" and body_deadline.cancel_called:
+            raise ServeError(
+                408, f"body not received within body_timeout_s={limits.body_timeout_s}"
+            ) from None
         if not deadline.cancel_called:  # raised by the reward itself: its failure, not ours
             raise
         status = 408 if phase == "reading the body" else 503

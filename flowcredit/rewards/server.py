@@ -7,13 +7,16 @@
 
 A Starlette app on uvicorn (with the httptools parser, which refuses duplicate Content-Length headers
 and malformed requests with a 400). Concurrent requests to one reward are merged into reward calls of
-at most ``max_batch`` images (batcher.py). Each request has one deadline (``timeout_s``) covering the
-wait for one of ``max_concurrency`` slots, reading the body and scoring; past it the answer is 408
-(body still arriving) or 503. Errors answer ``{"error": "..."}`` with no memory address and no token:
-400 malformed request, 401 bad token, 404 unknown path or reward, 411 no Content-Length, 413 body or
-image over the limit (answered before the body is read; the server keeps reading and discarding the
-rest, so the client gets the answer), 422 the reward rejected the input (``ValueError``), 500 the
-reward failed (another exception, or the wrong number of scores).
+at most ``max_batch`` images (batcher.py). Each request has one deadline (``timeout_s``) covering
+the wait for room for its body (announced bytes, ``max_concurrency × max_body_bytes`` in all),
+reading the body (within ``body_timeout_s``), the wait for one of ``max_concurrency`` scoring slots
+and scoring; past it the answer is 408 (body still arriving) or 503. A slow upload holds only its own
+bytes, so it does not take a scoring slot from anyone. Errors answer ``{"error": "..."}`` with no
+memory address, token or file path: 400 malformed request (or a PNG over 8 bits per channel), 401
+bad token, 404 unknown path or reward, 411 no Content-Length, 413 body or image over the limit
+(answered before the body is read; the server keeps reading and discarding the rest, so the client
+gets the answer), 422 the reward rejected the input (``ValueError``), 500 the reward failed (another
+exception, ``SystemExit`` / ``KeyboardInterrupt`` inside it, or the wrong number of scores).
 """
 
 from __future__ import annotations
@@ -157,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="longest wait to fill a call")
     p.add_argument("--max-pixels", type=int, default=d.max_pixels, help="largest image, in pixels")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="total seconds per request")
+    p.add_argument("--body-timeout", type=float, default=d.body_timeout_s, help="seconds to receive a body")
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="requests in progress")
     p.add_argument("--max-connections", type=int, default=d.max_connections, help="open connections")
     p.add_argument("--quiet", action="store_true", help="do not log each request")
@@ -184,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         max_wait_ms=args.max_wait_ms,
         max_pixels=args.max_pixels,
         timeout_s=args.timeout,
+        body_timeout_s=args.body_timeout,
         max_concurrency=args.max_concurrency,
         max_connections=args.max_connections,
     )
