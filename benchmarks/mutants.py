@@ -252,6 +252,13 @@ MUTANTS = [
         ("tests/test_reward_server.py::test_a_small_request_is_not_stuck_behind_a_large_one",),
         "a small request waits behind every call of a large one",
     ),
+    Mutant(
+        "no_request_head_deadline", "server", "flowcredit/rewards/server.py",
+        "        http=guarded_protocol(limits.header_timeout_s),",
+        '        http="httptools",',
+        ("tests/test_reward_server.py::test_idle_and_half_open_connections_are_closed",),
+        "idle and half-open connections stay open until they fill max_connections",
+    ),
 ]  # fmt: skip
 
 

@@ -354,5 +354,28 @@ def test_a_body_that_does_not_arrive_gets_408_at_body_timeout():
         head = (
             f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nContent-Length: 9\r\n\r\n"
         )
-        answer = raw_exchange(port, head.encode() + b"x", timeout=30)
-    assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout_s=1" in answer
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(head.encode() + b"x")
+            answer = b""
+            while chunk := conn.recv(4096):  # the 408 closes the connection: read all of it
+                answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout_s=1" in answer, answer
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"POST /sco", b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nx"],
+    ids=["nothing", "half a request line", "a body byte after its 401"],
+)
+def test_idle_and_half_open_connections_are_closed(sent):
+    """Connections that never finish a request head are closed at header_timeout_s (they used to stay
+    open, and 255 of them filled max_connections)."""
+    limits = Limits(header_timeout_s=1)
+    with start_server({"probe": Probe()}, token=TOKEN, limits=limits) as running:
+        port = int(running.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+            conn.sendall(sent)
+            answer = b""
+            while chunk := conn.recv(4096):  # until the server closes (30 s: a hang fails the test)
+                answer += chunk
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 401"), answer

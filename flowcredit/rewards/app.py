@@ -32,6 +32,7 @@ class Limits:
     timeout_s: float = 120.0  # total time for one request: queueing, reading the body and scoring
     max_concurrency: int = 16  # requests parsed and scored at once; others wait for a slot
     body_timeout_s: float = 30.0  # time to receive one body (408 past it), within timeout_s
+    header_timeout_s: float = 10.0  # a connection without a complete request head this long is closed
     max_connections: int = 256  # open connections; beyond them uvicorn answers 503
 
     def __post_init__(self):

@@ -49,11 +49,54 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def guarded_protocol(header_timeout_s: float):
+    """uvicorn's httptools protocol with a request-head deadline, which uvicorn lacks (its keep-alive
+    timer stops at the first byte): a connection that has not sent a complete request head within
+    ``header_timeout_s`` of opening, or of its last answer, is closed. That ends idle connections,
+    half-sent request lines, and bodies dripped after an early answer (e.g. a 401)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GuardedProtocol(HttpToolsProtocol):
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and not self.pipeline:  # waiting for the next request
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(header_timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _expire(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedProtocol
+
+
 def _uvicorn(app, limits: Limits, quiet: bool):
     uvicorn = require_stack()
     config = uvicorn.Config(
         app,
-        http="httptools",
+        http=guarded_protocol(limits.header_timeout_s),
         lifespan="on",
         limit_concurrency=limits.max_connections,
         timeout_keep_alive=5,
@@ -161,6 +204,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pixels", type=int, default=d.max_pixels, help="largest image, in pixels")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="total seconds per request")
     p.add_argument("--body-timeout", type=float, default=d.body_timeout_s, help="seconds to receive a body")
+    p.add_argument(
+        "--header-timeout", type=float, default=d.header_timeout_s, help="seconds to send a request head"
+    )
     p.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="requests in progress")
     p.add_argument("--max-connections", type=int, default=d.max_connections, help="open connections")
     p.add_argument("--quiet", action="store_true", help="do not log each request")
@@ -189,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         max_pixels=args.max_pixels,
         timeout_s=args.timeout,
         body_timeout_s=args.body_timeout,
+        header_timeout_s=args.header_timeout,
         max_concurrency=args.max_concurrency,
         max_connections=args.max_connections,
     )
