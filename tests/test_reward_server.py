@@ -53,8 +53,10 @@ def test_probe_concurrent_requests_share_reward_calls(served):
 
 def test_probe_deep_json_nesting_is_400(served):
     _, port = served
-    status, data = request(port, body=b'{"images": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    status, data = request(port, body=b'{"images": ' + b"[" * 5_000 + b"]" * 5_000 + b"}")
     assert status == 400 and "nested too deeply" in data["error"]
+    status, data = request(port, body=b'{"images": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert status == 413 and "max_json_values" in data["error"]  # counted before parsing
     assert request(port, body=payload(1)[1])[0] == 200
 
 
@@ -379,3 +381,35 @@ def test_idle_and_half_open_connections_are_closed(sent):
             while chunk := conn.recv(4096):  # until the server closes (30 s: a hang fails the test)
                 answer += chunk
     assert answer == b"" or answer.startswith(b"HTTP/1.1 401"), answer
+
+
+def test_json_of_many_tiny_values_is_refused_before_it_is_parsed(served):
+    """A valid body of 1.5 M floats cost 7.4× its size in Python objects once parsed (more in RSS):
+    its values are counted first and it is refused with 413; a body of images parses in ~2× its size."""
+    import json
+    import tracemalloc
+
+    import torch
+
+    from flowcredit.rewards.wire import ServeError, encode_png, parse_score_request
+
+    _, port = served
+    png = encode_png(torch.rand(3, 16, 16))
+    tiny = json.dumps({"images": [png], "prompts": ["a"], "metadata": [{"x": [1.5] * 1_500_000}]}).encode()
+    tracemalloc.start()
+    with pytest.raises(ServeError, match="max_json_values") as refused:
+        parse_score_request(tiny, 64 * 64)
+    peak_refused = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert refused.value.status == 413 and peak_refused < 0.05 * len(tiny)
+    images = json.dumps(
+        {"images": [encode_png(torch.rand(3, 64, 64))] * 40, "prompts": ["a, b"] * 40}
+    ).encode()
+    tracemalloc.start()
+    assert len(parse_score_request(images, 64 * 64).pngs) == 40
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 2.5 * len(images), peak / len(images)
+    small = json.dumps({"images": [png], "prompts": ["a"], "metadata": [{"x": [1.5] * 200_000}]}).encode()
+    status, data = request(port, body=small)  # 0.8 MB, under the fixture's 1 MiB body limit
+    assert status == 413 and "max_json_values" in data["error"]

@@ -33,6 +33,7 @@ class Limits:
     max_concurrency: int = 16  # requests parsed and scored at once; others wait for a slot
     body_timeout_s: float = 30.0  # time to receive one body (408 past it), within timeout_s
     header_timeout_s: float = 10.0  # a connection without a complete request head this long is closed
+    max_json_values: int = 100_000  # JSON values in one body (counted before parsing; bounds its memory)
     max_connections: int = 256  # open connections; beyond them uvicorn answers 503
 
     def __post_init__(self):
@@ -189,7 +190,9 @@ async def _score(service: RewardService, request, name: str) -> list:
                 phase = "waiting for a free slot"
                 async with service.slots:
                     phase = "scoring"
-                    parsed = await anyio.to_thread.run_sync(parse_score_request, body, limits.max_pixels)
+                    parsed = await anyio.to_thread.run_sync(
+                        parse_score_request, body, limits.max_pixels, limits.max_json_values
+                    )
                     del body
                     return await batcher.score(parsed)
     except TimeoutError:

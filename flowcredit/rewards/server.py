@@ -202,6 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=d.max_batch, help="most images per reward call")
     p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="longest wait to fill a call")
     p.add_argument("--max-pixels", type=int, default=d.max_pixels, help="largest image, in pixels")
+    p.add_argument("--max-json-values", type=int, default=d.max_json_values, help="JSON values per body")
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="total seconds per request")
     p.add_argument("--body-timeout", type=float, default=d.body_timeout_s, help="seconds to receive a body")
     p.add_argument(
@@ -233,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms,
         max_pixels=args.max_pixels,
+        max_json_values=args.max_json_values,
         timeout_s=args.timeout,
         body_timeout_s=args.body_timeout,
         header_timeout_s=args.header_timeout,
