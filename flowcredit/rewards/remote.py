@@ -132,18 +132,23 @@ class RemoteReward:
         """Indices of the images of each request: at most ``max_batch`` and ``max_body_bytes``."""
         chunks, size = [[]], _BODY_FRAME
         for i, (image, prompt, meta) in enumerate(encoded):
-            item = len(image) + len(prompt) + len(meta) + _ITEM_FRAME
-            if _BODY_FRAME + item > limits["max_body_bytes"]:
-                raise RemoteRewardError(
-                    f"reward server {self.base}: image {i} alone needs a {_BODY_FRAME + item}-byte request, "
-                    f"over the server's max_body_bytes {limits['max_body_bytes']}"
-                )
+            item = self._fitting(i, image, prompt, meta, limits)
             if len(chunks[-1]) == limits["max_batch"] or size + item > limits["max_body_bytes"]:
                 chunks.append([])
                 size = _BODY_FRAME
             chunks[-1].append(i)
             size += item
         return chunks
+
+    def _fitting(self, i: int, image: str, prompt: str, meta: str, limits: dict) -> int:
+        """Bytes of item ``i`` in a request body; :class:`RemoteRewardError` if it alone is too large."""
+        item = len(image) + len(prompt) + len(meta) + _ITEM_FRAME
+        if _BODY_FRAME + item > limits["max_body_bytes"]:
+            raise RemoteRewardError(
+                f"reward server {self.base}: image {i} alone needs a {_BODY_FRAME + item}-byte request, "
+                f"over the server's max_body_bytes {limits['max_body_bytes']}"
+            )
+        return item
 
     def _post_chunk(self, encoded, chunk: list[int], deadline: float) -> list:
         images, prompts, metas = zip(*(encoded[i] for i in chunk))
@@ -173,7 +178,10 @@ class RemoteReward:
                 f"reward server {self.base} takes images of at most {limits['max_pixels']} pixels, "
                 f"these are {width}x{height}"
             )
-        encoded = [(encode_png(img), json.dumps(p), m) for img, p, m in zip(images, prompts, metas)]
+        encoded = []
+        for i, (img, p, m) in enumerate(zip(images, prompts, metas)):  # refuse at the first too-large image
+            encoded.append((encode_png(img), json.dumps(p), m))
+            self._fitting(i, *encoded[-1], limits)
         chunks = self._chunks(encoded, limits)
         if len(chunks) == 1:
             return torch.tensor(self._post_chunk(encoded, chunks[0], deadline), dtype=torch.float32)

@@ -224,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if token is not None and len(token) < 8:
+        print(
+            f"serve-reward: warning: a token of {len(token)} characters is easy to guess, and error bodies "
+            "scrub only tokens of 8 or more characters; use a longer one",
+            file=sys.stderr,
+        )
     try:
         options = json.loads(args.reward_options) if args.reward_options else {}
     except ValueError as exc:
