@@ -259,6 +259,20 @@ MUTANTS = [
         ("tests/test_reward_server.py::test_idle_and_half_open_connections_are_closed",),
         "idle and half-open connections stay open until they fill max_connections",
     ),
+    Mutant(
+        "no_suspects", "server", "flowcredit/rewards/batcher.py",
+        "                if batch[0].pending.source is not None:",
+        "                if False:",
+        ("tests/test_reward_server.py::test_a_failing_client_does_not_poison_later_batches",),
+        "a failing client's every request joins and fails a merged call",
+    ),
+    Mutant(
+        "bisect_one_by_one", "server", "flowcredit/rewards/batcher.py",
+        "            half = set(requests[: len(requests) // 2])",
+        "            half = set(requests[:1])",
+        ("tests/test_reward_server.py::test_one_bad_request_costs_log_n_extra_reward_calls",),
+        "a failing merged call is split one request at a time (n extra calls)",
+    ),
 ]  # fmt: skip
 
 

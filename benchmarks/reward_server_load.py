@@ -11,6 +11,9 @@ per call whatever the batch size, like a GPU model), and measures
    512² (``--memory-images``), with ``--max-batch 16``. The images are smooth gradients, so bodies are
    small and the growth is what the server keeps decoded.
 
+3. with ``--hostile slow=M,idle=M,failing=M``: the load of 1. again, beside bad clients (slow uploads,
+   idle connections, clients whose requests the reward refuses; :class:`Hostile`).
+
 Everything is bounded: a fixed number of requests, 120 s per request, servers killed at the end.
 
     flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/reward_server_load.py \\
@@ -37,9 +40,60 @@ SLEEP_S = float(os.environ.get("REWARD_SERVER_LOAD_SLEEP_S", "0.1"))
 
 
 def batchable(images, prompts, metadata):
-    """The served reward: ``SLEEP_S`` per call, whatever the batch size; mean brightness."""
+    """The served reward: ``SLEEP_S`` per call, whatever the batch size; mean brightness. A prompt
+    starting with "reject" is refused (``ValueError``: 422), as a reward refuses bad input."""
     time.sleep(SLEEP_S)
+    if any(p.startswith("reject") for p in prompts):
+        raise ValueError("this reward rejects prompts that start with 'reject'")
     return images.mean(dim=(1, 2, 3))
+
+
+class Hostile:
+    """Bad clients beside the well-behaved ones, in threads of this process, until :meth:`stop`:
+    ``slow`` uploads (10 of 1,000 announced body bytes, then one byte a second), ``idle``
+    connections (opened once, never sending), and ``failing`` clients (requests the reward refuses,
+    back to back)."""
+
+    def __init__(self, port: int, slow: int = 0, idle: int = 0, failing: int = 0):
+        import socket
+        import threading
+
+        self.port, self.done, self.sockets = port, threading.Event(), []
+        self.threads = [threading.Thread(target=self._slow, daemon=True) for _ in range(slow)]
+        self.threads += [threading.Thread(target=self._failing, daemon=True) for _ in range(failing)]
+        for _ in range(idle):
+            self.sockets.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        for t in self.threads:
+            t.start()
+
+    def _slow(self) -> None:
+        import socket
+
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
+            conn.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
+            while not self.done.wait(1.0):
+                try:
+                    conn.sendall(b"x")
+                except OSError:  # the server gave up on it
+                    return
+
+    def _failing(self) -> None:
+        body = json.dumps({"images": [_png(torch.rand(3, 64, 64))], "prompts": ["reject me"]}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        while not self.done.is_set():
+            try:
+                conn.request("POST", "/score", body=body, headers={"Content-Type": "application/json"})
+                conn.getresponse().read()
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+
+    def stop(self) -> None:
+        self.done.set()
+        for sock in self.sockets:
+            sock.close()
+        for t in self.threads:
+            t.join(timeout=130)
 
 
 def _png(image: torch.Tensor) -> str:
@@ -48,12 +102,13 @@ def _png(image: torch.Tensor) -> str:
     return encode_png(image)
 
 
-def start(code: Path, sleep_ms: float, max_batch: int) -> tuple[subprocess.Popen, int]:
+def start(code: Path, sleep_ms: float, max_batch: int, timeout: float = 120) -> tuple[subprocess.Popen, int]:
     """That checkout's ``serve-reward`` in a subprocess; its pid and port."""
     env = dict(os.environ, PYTHONPATH=f"{code}:{HERE}", OMP_NUM_THREADS="1")
     env["REWARD_SERVER_LOAD_SLEEP_S"] = str(sleep_ms / 1000)
     cmd = [sys.executable, "-m", "flowcredit", "serve-reward", "--reward", "reward_server_load:batchable"]
     cmd += ["--port", "0", "--max-batch", str(max_batch), "--max-body-mb", "512", "--quiet"]
+    cmd += ["--timeout", str(timeout)]
     proc = subprocess.Popen(cmd, env=env, cwd=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if " on http://" not in line:
@@ -92,7 +147,12 @@ def load(port: int, clients: int, requests: int) -> dict:
     """``clients`` processes (like training ranks; threads would queue on one GIL) × ``requests``
     one-image requests each, one after the other (after one warm-up request): wall time and latencies."""
     warm_up = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    post(warm_up, json.dumps({"images": [_png(torch.rand(3, 64, 64))], "prompts": ["warm-up"]}).encode())
+    try:
+        post(warm_up, json.dumps({"images": [_png(torch.rand(3, 64, 64))], "prompts": ["warm-up"]}).encode())
+    except (OSError, RuntimeError, http.client.HTTPException) as exc:  # reported with the clients' errors
+        warm_up_error = repr(exc)
+    else:
+        warm_up_error = None
     warm_up.close()
     ctx = multiprocessing.get_context("fork")  # the clients use only http.client
     ready, results = ctx.Barrier(clients + 1), ctx.Queue()
@@ -111,7 +171,7 @@ def load(port: int, clients: int, requests: int) -> dict:
     q = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
     return {
         "requests": len(latencies),
-        "errors": [e for _, e in answers if e][:3],
+        "errors": ([warm_up_error] if warm_up_error else []) + [e for _, e in answers if e][:3],
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(latencies) / wall, 2),
         "p50_ms": round(1000 * statistics.median(latencies), 1),
@@ -160,15 +220,26 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--memory-images", default="16,64,256")
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    p.add_argument("--server-timeout", type=float, default=120.0, help="the servers' --timeout")
+    p.add_argument(
+        "--hostile", default="", help="also load beside bad clients, e.g. slow=16,idle=64,failing=1"
+    )
     args = p.parse_args(argv)
+    hostile = {k: int(v) for k, v in (kv.split("=") for kv in args.hostile.split(",") if kv)}
     counts = [int(n) for n in args.memory_images.split(",")]
     results = {}
     for spec in args.code:
         name, _, path = spec.partition("=")
-        proc, port = start(Path(path).resolve(), args.sleep_ms, args.max_batch)
+        proc, port = start(Path(path).resolve(), args.sleep_ms, args.max_batch, args.server_timeout)
         try:
             row = {"load": load(port, args.clients, args.requests)}
             row["load"]["reward_calls"] = reward_calls(port)
+            if hostile:
+                bad = Hostile(port, **hostile)
+                try:
+                    row["load_beside_hostile"] = load(port, args.clients, args.requests)
+                finally:
+                    bad.stop()
             row["memory_mib"] = memory(proc.pid, port, counts, args.size)
         finally:
             proc.kill()

@@ -413,3 +413,40 @@ def test_json_of_many_tiny_values_is_refused_before_it_is_parsed(served):
     small = json.dumps({"images": [png], "prompts": ["a"], "metadata": [{"x": [1.5] * 200_000}]}).encode()
     status, data = request(port, body=small)  # 0.8 MB, under the fixture's 1 MiB body limit
     assert status == 413 and "max_json_values" in data["error"]
+
+
+def test_a_failing_client_does_not_poison_later_batches(server, served):
+    """Once a connection's request has failed the reward alone, its next requests are scored on their
+    own: the good requests queued beside it share one call that succeeds (no failing merged call to
+    halve, as every batch the bad client joined used to cost)."""
+    import http.client
+    import json
+
+    probe, port = served
+    bad = http.client.HTTPConnection("127.0.0.1", port, timeout=20)  # one keep-alive connection
+
+    def send_bad():
+        bad.request("POST", "/score", body=json.dumps(payload(1, prompt="reject me")[1]), headers={
+            "Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+        response = bad.getresponse()
+        response.read()
+        return response.status
+
+    assert send_bad() == 422  # scored alone: its connection is now a suspect
+    probe.__init__()
+    probe.gate = threading.Event()
+    batcher = server.service.batchers["probe"]
+    with ThreadPoolExecutor(5) as pool:
+        first = pool.submit(request, port, body=payload(1, prompt="first")[1])
+        assert probe.entered.wait(60)
+        rejected = pool.submit(send_bad)
+        wait_until(lambda: len(batcher._queue) == 1)
+        goods = [pool.submit(request, port, body=payload(1, prompt=f"good {k}")[1]) for k in range(3)]
+        wait_until(lambda: len(batcher._queue) == 4)
+        probe.gate.set()
+        assert first.result()[0] == 200 and rejected.result() == 422
+        assert [g.result()[0] for g in goods] == [200] * 3
+    probe.gate = None
+    bad.close()
+    calls = [sorted(p) for p in probe.prompts[1:]]
+    assert calls == [["reject me"], ["good 0", "good 1", "good 2"]], calls

@@ -194,7 +194,8 @@ async def _score(service: RewardService, request, name: str) -> list:
                         parse_score_request, body, limits.max_pixels, limits.max_json_values
                     )
                     del body
-                    return await batcher.score(parsed)
+                    client = request.client
+                    return await batcher.score(parsed, None if client is None else (client.host, client.port))
     except TimeoutError:
         if phase == "reading the body" and body_deadline.cancel_called:
             raise ServeError(

@@ -34,6 +34,7 @@ class _Pending:
     scores: list = field(default_factory=list)
     left: int = 0  # images not scored yet
     served: int = -1  # the last reward call that took some of its images (-1: none yet)
+    source: object = None  # the caller's connection (host, port), if known
 
 
 @dataclass
@@ -57,6 +58,10 @@ def _to_scores(value, n: int) -> list[float | None]:
     return [v if math.isfinite(v) else None for v in value.tolist()]
 
 
+SUSPECT_S = 60.0
+"""Seconds for which a connection whose request the reward refused has its requests scored alone."""
+
+
 class RewardAborted(RuntimeError):
     """A reward raised ``SystemExit`` or ``KeyboardInterrupt``: reported as 500, the server goes on."""
 
@@ -74,6 +79,7 @@ class Batcher:
         self.calls = 0  # reward calls made, for /health and tests
         self._last_batch = 0  # images in the last call
         self._taken = 0  # batches taken so far (orders requests by when they were last served)
+        self._suspects: dict[object, float] = {}  # connection → until when its requests go alone
         self._queue: deque[_Slice] = deque()
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
@@ -91,13 +97,13 @@ class Batcher:
             await asyncio.gather(self._worker, return_exceptions=True)
         self._thread.shutdown(wait=False, cancel_futures=True)
 
-    async def score(self, request: ScoreRequest) -> list[float | None]:
+    async def score(self, request: ScoreRequest, source: object = None) -> list[float | None]:
         """Scores of the request's images; raises what the reward (or decoding) raised for them."""
         n = len(request.prompts)
         if n == 0:
             return []
         loop = asyncio.get_running_loop()
-        pending = _Pending(request, loop.create_future(), [None] * n, n)
+        pending = _Pending(request, loop.create_future(), [None] * n, n, source=source)
         now = loop.time()
         self._queue.extend(
             _Slice(pending, i, min(i + self.max_batch, n), now) for i in range(0, n, self.max_batch)
@@ -142,12 +148,28 @@ class Batcher:
         small one waits at most about one call, not the whole large one."""
         self._queue = deque(sorted(self._queue, key=lambda s: s.pending.served))
 
+    def _suspect(self, pending: _Pending) -> bool:
+        until = self._suspects.get(pending.source)
+        if until is not None and until < asyncio.get_running_loop().time():
+            del self._suspects[pending.source]
+            return False
+        return until is not None
+
     def _take(self, size) -> list[_Slice]:
+        """Up to ``max_batch`` queued images of ``size``. A request from a connection whose request
+        failed the reward recently goes alone (so one failing client does not make every merged call
+        fail and be halved), and the others are not merged with it."""
         batch, room, rest = [], self.max_batch, deque()
+        alone = None  # the suspect request this call scores on its own
         for s in self._queue:
-            if room == 0 or s.pending.request.size != size or s.pending.future.done():
+            take = room > 0 and s.pending.request.size == size and not s.pending.future.done()
+            if take and batch:
+                take = alone is s.pending if alone is not None else not self._suspect(s.pending)
+            if not take:
                 rest.append(s)
                 continue
+            if not batch and self._suspect(s.pending):
+                alone = s.pending
             stop = min(s.stop, s.start + room)
             batch.append(_Slice(s.pending, s.start, stop, s.since))
             if stop < s.stop:  # the rest of a split request goes first next time
@@ -174,7 +196,9 @@ class Batcher:
             results = await asyncio.get_running_loop().run_in_executor(self._thread, self._call, batch)
         except Exception as exc:
             requests = list(dict.fromkeys(id(s.pending) for s in batch))  # in arrival order
-            if len(requests) == 1:
+            if len(requests) == 1:  # found alone: its connection's next requests are not merged
+                if batch[0].pending.source is not None:
+                    self._suspects[batch[0].pending.source] = asyncio.get_running_loop().time() + SUSPECT_S
                 return self._fail(batch[0].pending, exc)
             # find whose input failed by halving: one bad request among n costs O(log n) extra calls
             half = set(requests[: len(requests) // 2])
