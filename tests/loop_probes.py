@@ -12,7 +12,7 @@ from flowcredit.presets import PRESETS
 from flowcredit.run.session import Session, build_session
 from flowcredit.validation import validate
 
-SMALL = dict(
+SMALL_RUN = dict(
     iterations=2,
     prompts_per_iter=2,
     group_size=6,
@@ -23,9 +23,10 @@ SMALL = dict(
     num_steps=5,
     window_size=0,
     batch_size=12,
-    log_with="none",
-    reward="reward_fixtures:brightness",
 )
+"""The test-size run of the built-in task (2 iterations of 2 groups of 6, 5 steps)."""
+
+SMALL = {**SMALL_RUN, "log_with": "none", "reward": "reward_fixtures:brightness"}
 
 
 def small_config(preset: str, run_dir, **extra) -> Config:

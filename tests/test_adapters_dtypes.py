@@ -14,16 +14,7 @@ import torch
 
 pytest.importorskip("diffusers", reason="needs the 'diffusers' extra: pip install -e '.[test]'")
 
-from tiny_diffusers import (  # noqa: E402
-    SIZE,
-    WAN_FRAMES,
-    build_flux,
-    build_qwen_image,
-    build_sd3,
-    build_wan,
-    build_z_image,
-    train_config,
-)
+from tiny_diffusers import BUILDERS, SIZE, WAN_FRAMES, train_config  # noqa: E402
 
 from flowcredit.models.diffusers_common import LORA_WEIGHTS  # noqa: E402
 from flowcredit.models.flux import FluxFlowModel  # noqa: E402
@@ -33,24 +24,12 @@ from flowcredit.models.wan import WanFlowModel  # noqa: E402
 from flowcredit.models.z_image import ZImageFlowModel  # noqa: E402
 from flowcredit.run.policy import Policy  # noqa: E402
 
-pytestmark = pytest.mark.slow
-KINDS = {
-    "sd3": (SD3FlowModel, build_sd3),
-    "flux": (FluxFlowModel, build_flux),
-    "qwen_image": (QwenImageFlowModel, build_qwen_image),
-    "wan": (WanFlowModel, build_wan),
-    "z_image": (ZImageFlowModel, build_z_image),
-}
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+ADAPTERS = {"sd3": SD3FlowModel, "flux": FluxFlowModel, "qwen_image": QwenImageFlowModel}
+ADAPTERS |= {"wan": WanFlowModel, "z_image": ZImageFlowModel}
+KINDS = {kind: (ADAPTERS[kind], BUILDERS[kind]) for kind in ADAPTERS}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROMPTS = ["a red square", "a photo of a cat", "a big blue circle on the sign"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

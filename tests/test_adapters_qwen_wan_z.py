@@ -38,7 +38,7 @@ from flowcredit.models.z_image import ZImageFlowModel  # noqa: E402
 from flowcredit.presets import COMPARED_PRESETS  # noqa: E402
 from flowcredit.run.policy import Policy  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 DEVICE = os.environ.get("FLOWCREDIT_TEST_DEVICE", "cpu")
 ATOL = 1e-5 if DEVICE == "cpu" else 2e-3
 KINDS = {
@@ -52,16 +52,6 @@ LATENTS = {
     "z_image": (4, 16, 16),
 }  # VAE /4, /8 (and time /4), /2
 PROMPTS = ["a red square", "a photo of a cat", "a big blue circle on the sign"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: these networks are tiny, and on a shared CPU two threads' synchronisation
-    costs far more than it saves (measured: 20 ms vs 1.3 s per Qwen-Image velocity call under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

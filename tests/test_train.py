@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from loop_probes import SMALL_RUN
 
 from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
@@ -14,18 +15,7 @@ from flowcredit.run.session import build_session
 from flowcredit.train import grpo_iteration, train
 from flowcredit.validation import validate
 
-SMALL = dict(
-    iterations=2,
-    prompts_per_iter=2,
-    group_size=6,
-    num_train_prompts=4,
-    num_eval_prompts=2,
-    eval_samples_per_prompt=2,
-    eval_every=0,
-    num_steps=5,
-    window_size=0,
-    batch_size=12,
-)
+SMALL = SMALL_RUN
 
 KEYS = [
     "reward/mean",

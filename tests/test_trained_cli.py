@@ -13,16 +13,7 @@ import torch
 
 pytest.importorskip("diffusers", reason="needs the 'diffusers' extra: pip install -e '.[test]'")
 
-from tiny_diffusers import (  # noqa: E402
-    SIZE,
-    WAN_FRAMES,
-    build_flux,
-    build_qwen_image,
-    build_sd3,
-    build_wan,
-    build_z_image,
-    train_config,
-)
+from tiny_diffusers import BUILDERS, SIZE, WAN_FRAMES, train_config  # noqa: E402
 
 from flowcredit.cli import main as cli  # noqa: E402
 from flowcredit.commands import eval as eval_cmd  # noqa: E402
@@ -30,18 +21,9 @@ from flowcredit.run.evaluation import initial_noise, sample  # noqa: E402
 from flowcredit.run.session import build_session  # noqa: E402
 from flowcredit.train import train  # noqa: E402
 
-pytestmark = pytest.mark.slow
-BUILD = {"sd3": build_sd3, "flux": build_flux, "qwen_image": build_qwen_image, "wan": build_wan}
-BUILD["z_image"] = build_z_image
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+BUILD = BUILDERS
 PROMPTS = ["a red square", "a photo of a cat"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

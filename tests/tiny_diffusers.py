@@ -317,6 +317,16 @@ def build_z_image(directory: str | Path, seed: int = 0) -> Path:
     return Path(directory)
 
 
+BUILDERS = {
+    "sd3": build_sd3,
+    "flux": build_flux,
+    "qwen_image": build_qwen_image,
+    "wan": build_wan,
+    "z_image": build_z_image,
+}
+"""Every adapter's tiny pipeline builder, by ``--model`` name."""
+
+
 def train_config(preset: str, kind: str, ckpt, prompts, run_dir):
     """A validated one-iteration ``Config`` of ``preset`` for the tiny ``kind`` pipeline in ``ckpt``
     (4 steps, 2 groups of 2, jpeg reward, β = 0.01)."""
