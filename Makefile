@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check flowcredit tests benchmarks
 	$(VENV)/bin/ruff format --check flowcredit tests benchmarks
 
-mutants: $(STAMP)  # does the suite notice a broken loop? (docs/testing.md; ~6 min)
+mutants: $(STAMP)  # does the suite notice a broken loop? (docs/testing.md; ~8 min)
 	$(PY) benchmarks/mutants.py
 
 demo: $(STAMP)

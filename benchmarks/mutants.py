@@ -10,7 +10,7 @@ which test killed it, or that it survived. The working tree itself is never edit
     .venv/bin/python benchmarks/mutants.py --only adv_sign_in_update,kl_sign
 
 Every test named here is part of ``make test``, so a mutant killed here is killed by ``make test``.
-Runs in about 6 minutes on 2 cores (a quiet machine: 53 s baseline, 27 mutants in 4.5 min).
+Runs in about 8 minutes on a quiet 2-core machine (35 mutants).
 """
 
 from __future__ import annotations
