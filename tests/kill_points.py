@@ -35,7 +35,9 @@ def install(point: str, iteration: int, how: str = "raise", patch=setattr) -> No
     ``monkeypatch.setattr``, so it is undone after the test)."""
     if point not in POINTS:
         raise ValueError(f"point must be one of {POINTS}, got {point!r}")
-    calls = {"save_file": 0, "replace": 0, "rmtree": 0, "armed": False}
+    kill_at = iteration  # (``save`` below takes an ``iteration`` of its own)
+    counters = ("save_file", "replace", "rmtree", "fsync")
+    calls = {**dict.fromkeys(counters, 0), "armed": False}
 
     def die():
         calls["armed"] = False
@@ -56,20 +58,18 @@ def install(point: str, iteration: int, how: str = "raise", patch=setattr) -> No
     real_save = session.save_checkpoint
 
     def save(run_dir, *, iteration: int, **kwargs):
-        calls.update(save_file=0, replace=0, rmtree=0, armed=iteration == iteration_to_kill)
+        calls.update(dict.fromkeys(counters, 0), armed=iteration == kill_at)
         try:
             return real_save(run_dir, iteration=iteration, **kwargs)
         finally:
             calls["armed"] = False
 
-    iteration_to_kill = iteration
     fake_os = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")})
     fake_shutil = types.SimpleNamespace(rmtree=shutil.rmtree)
     fake_os.replace = counted("replace", os.replace, lambda n: point == "between_renames" and n == 2)
     fake_shutil.rmtree = counted("rmtree", shutil.rmtree, lambda n: point == "before_cleanup" and n == 3)
     save_file = counted("save_file", checkpoint.save_file, lambda n: point == "after_trainable" and n == 2)
     fsync = counted("fsync", checkpoint._fsync_dir, lambda n: point == "before_swap")
-    calls["fsync"] = 0
     for name, value in (
         ("os", fake_os),
         ("shutil", fake_shutil),

@@ -55,13 +55,21 @@ def probe_server():
     rewards = {"probe": probe, "jpeg_compressibility": get_reward("jpeg_compressibility")}
     rewards["short"] = get_reward("short")
     try:
-        with start_server(rewards, token=TOKEN, limits=LIMITS) as running:
-            running.probe = probe
-            running.service = running._server.config.app.state.service  # batchers, for queue checks
-            running.port = int(running.url.rsplit(":", 1)[1])
+        with serving(rewards, LIMITS, probe) as running:
             yield running
     finally:
         del REWARDS["short"]
+
+
+@contextmanager
+def serving(rewards: dict, limits: Limits, probe: Probe | None = None):
+    """``start_server(rewards)`` with the test token and ``limits``; ``.probe``, ``.port`` and
+    ``.service`` (its batchers, for queue checks) on the running server."""
+    with start_server(rewards, token=TOKEN, limits=limits) as running:
+        running.probe = probe
+        running.service = running._server.config.app.state.service
+        running.port = int(running.url.rsplit(":", 1)[1])
+        yield running
 
 
 def request(port, method="POST", path="/score", body=None, headers=None, token=TOKEN):
@@ -95,3 +103,22 @@ def raw_exchange(port, data: bytes, timeout=10.0) -> bytes:
     with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
         s.sendall(data)
         return s.recv(4096)
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    """Poll ``condition`` until it holds; the generous timeout only catches a hang."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def send_until_closed(port, data: bytes, timeout=30.0) -> bytes:
+    """Send ``data`` on a new connection and read until the server closes it; a server that keeps it
+    open past ``timeout`` raises ``TimeoutError``."""
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as conn:
+        conn.sendall(data)
+        while chunk := conn.recv(4096):
+            answer += chunk
+    return answer

@@ -21,7 +21,7 @@ import torch
 from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
 from flowcredit.models import load_model
-from flowcredit.models.diffusers_common import trained_run_config
+from flowcredit.models.diffusers_common import is_run_final
 from flowcredit.rewards import uses_shapeeval
 from flowcredit.run.evaluation import (
     evaluate,
@@ -61,7 +61,7 @@ def run_final(args) -> Path | None:
     a diffusers run (a LoRA or ``transformer/`` export, its base model named in ``RUN/config.json``),
     or ``RUN/final`` beside ``--config RUN/config.json`` when no ``--checkpoint`` is given."""
     if args.checkpoint is not None:
-        return Path(args.checkpoint) if trained_run_config(args.checkpoint) is not None else None
+        return Path(args.checkpoint) if is_run_final(args.checkpoint) else None
     if args.config:
         final = Path(args.config).parent / "final"
         if (final / "trainable.safetensors").is_file():

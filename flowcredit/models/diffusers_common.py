@@ -158,17 +158,16 @@ PIPELINE_MODELS = {
 """The ``--model`` of each diffusers pipeline class an adapter loads."""
 
 
-def trained_run_config(checkpoint: str | None) -> dict | None:
-    """The run ``config.json`` of ``checkpoint`` when it is a diffusers run's ``final/`` (a LoRA or a
-    ``transformer/`` beside ``trainable.safetensors``, and ``../config.json``); else None."""
+def is_run_final(checkpoint: str | Path | None) -> bool:
+    """Whether ``checkpoint`` is a diffusers run's ``final/``: a LoRA or ``transformer/`` export beside
+    ``trainable.safetensors``, with the run's ``config.json`` (which names the base) one level up."""
     if not checkpoint:
-        return None
+        return False
     final = Path(checkpoint)
     exported = (final / LORA_WEIGHTS).is_file() or (final / "transformer").is_dir()
-    config = final.parent / "config.json"
-    if not (exported and (final / "trainable.safetensors").is_file() and config.is_file()):
-        return None
-    return json.loads(config.read_text())
+    return (
+        exported and (final / "trainable.safetensors").is_file() and (final.parent / "config.json").is_file()
+    )
 
 
 def check_checkpoint(checkpoint: str, pipeline_name: str) -> None:
@@ -185,7 +184,7 @@ def check_checkpoint(checkpoint: str, pipeline_name: str) -> None:
     index = path / "model_index.json"
     if not index.is_file():
         hint = ""
-        if (path / "trainable.safetensors").is_file():
+        if is_run_final(path):
             hint = "; it is a run's final/: sample or evaluate it with 'flowcredit sample/eval --checkpoint'"
         raise ConfigError(
             "checkpoint", f"{checkpoint!r} is not a diffusers pipeline (no model_index.json){hint}"
