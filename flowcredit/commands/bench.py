@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from flowcredit.commands.bench_report import write_plots, write_table
+from flowcredit.commands.bench_skill import SKILL_ARMS, base_eval, final_eval, publish
 from flowcredit.commands.bench_stats import report
 from flowcredit.config import Config, trained_window
 from flowcredit.errors import UserError
@@ -67,12 +68,15 @@ TASKS = {
     "demo": _demo_task,
     "compare": _compare_task,
     "presets": lambda: ["--iterations", "40", "--eval_every", "5"],
+    "skill": lambda: [],
 }
 """``--task``: ``demo`` = the demo recipe (docs/recipes.md: 4 counting prompts × 12, LoRA r 4, lr 3e-4,
 an SDE window of 5 steps) with each method's own sampler, noise and credit, 10 iterations, evaluated every
 2 on 16 held-out prompts × 8; ``compare`` = the same on all 86 held-out prompts × 4, with ψ calibrated by
 the config's own rule (the powered comparison, docs/benchmarks.md); ``presets`` = the presets' own
-settings (the whole train set, 4 groups × 16), 40 iterations."""
+settings (the whole train set, 4 groups × 16), 40 iterations; ``skill`` = the presets' own settings
+(use it with ``--presets skill`` and its arms, ``--ablations tp,…``: :mod:`bench_skill`), each finished
+run then evaluated on the held-out prompts with noise seeds no choice has seen."""
 
 
 def _half_window(cfg: Config) -> list[str]:
@@ -95,6 +99,7 @@ ABLATIONS = {
         "no_balance": ["--tp_balance", "none"],
         "half_window": _half_window,
     },
+    "skill": SKILL_ARMS,
     "stepwise_grpo": {
         "per_step_norm": ["--credit", "dense", "--credit_options", ""],
         "centred": ["--credit_options", '{"center": true}'],
@@ -135,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no_cheap", action="store_true", help="without the one-step-value rows (CHEAP)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process (GPU: several)")
     p.add_argument("--report_only", action="store_true", help="only read the finished runs under --out")
+    p.add_argument("--publish", default=None, help="copy each finished run's small JSON here (e.g. into git)")
     return p
 
 
@@ -322,6 +328,27 @@ def _json_safe(obj):
     return obj
 
 
+def _after_run(args, cells: list[dict], out: Path):
+    """What follows each finished run: the ``skill`` task's held-out evaluation (of the base checkpoint
+    first, once), then ``--publish``. Returns ``run_dir -> run_dir``."""
+    publish_to = Path(args.publish) if args.publish else None
+    if args.task == "skill" and not args.report_only:
+        cfg = load_config(cells[0]["preset"], None, cells[0]["overrides"])
+        base = base_eval(cfg, out / "base-heldout", cfg.threads, args.quick).parent
+        if publish_to:
+            publish(base, publish_to)
+
+    def after(run_dir: Path) -> Path:
+        if args.task == "skill":
+            threads = json.loads((run_dir / "config.json").read_text())["threads"]
+            final_eval(run_dir, threads, args.quick)
+        if publish_to:
+            publish(run_dir, publish_to)
+        return run_dir
+
+    return after
+
+
 def _warm_imports() -> None:
     """Import what every run imports, so that the first cell's set-up time is not charged for it."""
     import importlib
@@ -348,16 +375,17 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only or (out / "psi" / "psi.json").is_file():  # report: name the ψ that was used
         cells = shared_psi(cells, out)
     jobs = [(c, seed) for seed in seeds for c in cells]  # seed-major: early seeds of every cell first
+    after = _after_run(args, cells, out)
     if args.report_only:
         done = {(c["name"], s): runs / f"{c['name']}-seed{s}" for c, s in jobs}
         done = {k: d for k, d in done.items() if (d / "summary.json").is_file()}
     elif args.jobs > 1:
         with ThreadPoolExecutor(args.jobs) as pool:
-            dirs = pool.map(lambda job: run_in_process(*job, runs), jobs)
+            dirs = pool.map(lambda job: after(run_in_process(*job, runs)), jobs)
             done = {(c["name"], s): d for (c, s), d in zip(jobs, dirs)}
     else:
         _warm_imports()
-        done = {(c["name"], s): run_cell(c, s, runs) for c, s in jobs}
+        done = {(c["name"], s): after(run_cell(c, s, runs)) for c, s in jobs}
     results = {
         c["name"]: [read_run(done[c["name"], s]) | {"seed": s} for s in seeds if (c["name"], s) in done]
         for c in cells

@@ -1,0 +1,118 @@
+"""The ``skill`` comparison of ``flowcredit bench`` (``--task skill``): its arms, its compute
+accounting and its final held-out evaluation.
+
+Every arm is the ``skill`` preset with one change (:data:`SKILL_ARMS`); seeds pair the arms (same
+prompt draws and initial noise per seed). After a run finishes, its exported weights (``final/``, the
+EMA) are evaluated on all 86 held-out prompts × 16 samples × the noise seeds :data:`FINAL_EVAL_SEEDS`,
+which no choice of this library ever looked at (the recipes were chosen on 100–103 and 1234), and
+the base checkpoint once the same way; the small JSON of each (``summary.json`` + the evaluation's
+per-sample scores) is copied to ``--publish`` so that finished runs land in git as they finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from flowcredit.config import Config
+
+FINAL_EVAL_SEEDS = (7001, 7002)
+"""Noise seeds of the final held-out evaluation, used for nothing else."""
+FINAL_EVAL_SAMPLES = 16
+"""Samples per held-out prompt (× 86 prompts × 2 seeds = 2,752 images per run)."""
+
+
+def nominal_nfe(cfg: Config) -> float:
+    """Network calls per trajectory and iteration: rollout + value completions + update (KL: ×2).
+
+    The count the trainer logs as ``nfe/*`` divided by the batch rows, with every group live; the
+    value completions are planned exactly as :func:`flowcredit.run.rollout.state_values` plans them.
+    """
+    import torch
+
+    from flowcredit.advantages import CREDITS
+    from flowcredit.run.rollout import needed_states, noise_levels, plan_completions
+    from flowcredit.schedule import sigmas
+    from flowcredit.values import ESTIMATORS
+
+    levels, trained = noise_levels(cfg, None)  # (N,), (N,)
+    need = needed_states(CREDITS[cfg.credit].needs, trained)  # (N + 1,)
+    compute, _ = plan_completions(need, levels == 0, cfg.estimator)
+    start = torch.nonzero(compute, as_tuple=True)[0]
+    values = 0
+    if len(start):
+        _, remaining = ESTIMATORS[cfg.estimator].grid(sigmas(cfg.num_steps, cfg.shift), start, cfg.substeps)
+        values = int(remaining.sum())
+    update = int(trained.sum()) * cfg.inner_epochs * (2 if cfg.beta else 1)
+    return float(cfg.num_steps + values + update)
+
+
+def _equal_nfe(preset: Config, change: list[str]) -> list[str]:
+    """``change`` plus the iterations at which its training NFE equals the preset's."""
+    from flowcredit.validation import apply_overrides
+
+    arm = apply_overrides(dataclasses.replace(preset), change)
+    iterations = round(preset.iterations * nominal_nfe(preset) / nominal_nfe(arm))
+    return [*change, "--iterations", str(iterations)]
+
+
+TP = ["--credit", "turning_point"]
+SKILL_ARMS = {
+    "tp": TP,
+    "tp_equal_nfe": lambda cfg: _equal_nfe(cfg, TP),
+    "dense_euler1": ["--credit", "dense", "--estimator", "euler", "--substeps", "1"],
+    "stepwise": ["--credit", "stepwise", "--credit_options", '{"center": false}', "--estimator", "euler"],
+    "dense": ["--credit", "dense"],
+}
+"""The arms beside the preset (Flow-GRPO credit): TP-GRPO credit at the same iterations and at the
+preset's NFE, DenseGRPO with one-step values, Stepwise (euler(5) values, joint normalisation) and
+DenseGRPO with ODE-completed values; each is the preset with only these fields changed."""
+
+
+QUICK_EVAL = ["--max-prompts", "4", "--samples-per-prompt", "2"]
+"""``bench --quick``: 4 prompts × 2 samples instead."""
+
+
+def final_eval(run_dir: Path, threads: int, quick: bool = False) -> Path:
+    """Evaluate ``run_dir``'s exported weights once (``run_dir/heldout/eval.json``); returns the file."""
+    return _evaluate(["--config", str(run_dir / "config.json")], run_dir / "heldout", threads, quick)
+
+
+def base_eval(cfg: Config, out: Path, threads: int, quick: bool = False) -> Path:
+    """The base checkpoint of ``cfg`` evaluated as :func:`final_eval` (``out/eval.json``)."""
+    return _evaluate(["--model", cfg.model, "--checkpoint", cfg.checkpoint], out, threads, quick)
+
+
+def _evaluate(which: list[str], out: Path, threads: int, quick: bool) -> Path:
+    path = out / "eval.json"
+    if path.is_file():
+        return path
+    shutil.rmtree(out, ignore_errors=True)
+    seeds = ",".join(map(str, FINAL_EVAL_SEEDS))
+    argv = [*which, "--reward", "shapes", "--prompts", "test", "--seeds", seeds]
+    argv += ["--samples-per-prompt", str(FINAL_EVAL_SAMPLES), "--threads", str(threads), "--out", str(out)]
+    argv += QUICK_EVAL if quick else []
+    log = out.parent / f"{out.name}.eval.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as fh:
+        code = subprocess.call([sys.executable, "-m", "flowcredit", "eval", *argv], stdout=fh, stderr=fh)
+    if code or not path.is_file():
+        raise SystemExit(f"bench: the held-out evaluation of {out} failed (exit {code}); see {log}")
+    return path
+
+
+def publish(run_dir: Path, dest: Path) -> Path:
+    """Copy the run's small results (config, summary, held-out per-sample scores) to ``dest/<run>.json``."""
+    record = {"run": run_dir.name}
+    files = {"config": "config.json", "summary": "summary.json", "heldout": "heldout/eval.json"}
+    for name, path in files.items():
+        if (run_dir / path).is_file():
+            record[name] = json.loads((run_dir / path).read_text())
+    dest.mkdir(parents=True, exist_ok=True)
+    target = dest / f"{run_dir.name}.json"
+    target.write_text(json.dumps(record) + "\n")
+    return target
