@@ -22,7 +22,7 @@ from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
 from flowcredit.models import load_model
 from flowcredit.models.diffusers_common import is_run_final
-from flowcredit.rewards import uses_shapeeval
+from flowcredit.rewards import check_metadata, uses_shapeeval
 from flowcredit.run.evaluation import (
     evaluate,
     evaluate_reward,
@@ -173,7 +173,9 @@ def main_eval(argv: list[str] | None = None) -> int:
     metas = read_prompts(args.prompts, shapes_metadata=shapes_eval)[: args.max_prompts]
     score = evaluate
     if not shapes_eval:
-        score = partial(evaluate_reward, reward=build_reward(cfg, reward, named_only=True))
+        built = build_reward(cfg, reward, named_only=True)
+        check_metadata(built, metas, args.prompts)
+        score = partial(evaluate_reward, reward=built)
     model = load_for_cli(cfg, final)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     settings, k = _settings(model, args, cfg), args.samples_per_prompt

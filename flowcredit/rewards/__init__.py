@@ -139,6 +139,7 @@ REWARDS: dict[str, RewardFactory] = {
     "aesthetic": _Lazy("flowcredit.rewards.clip:aesthetic"),
     "imagereward": _Lazy("flowcredit.rewards.clip:imagereward"),
     "remote": _Lazy("flowcredit.rewards.remote:remote"),
+    "geneval": _Lazy("flowcredit.tasks.geneval.reward:geneval"),
 }
 
 
@@ -253,6 +254,21 @@ class Reward:
             components[name] = value
             total = total + self.weights[name] * value
         return total, components
+
+
+def check_metadata(reward: Reward, metas: list[dict], source: str) -> None:
+    """Let every component of ``reward`` that checks prompt metadata (a ``check_metadata(metas, source)``
+    method, e.g. ``geneval``) check the prompt set ``source`` before the first image is sampled."""
+    for fn in getattr(reward, "fns", {}).values():
+        if hasattr(fn, "check_metadata"):
+            fn.check_metadata(metas, source)
+
+
+def tabulator(reward) -> Callable | None:
+    """The ``tabulate(images, prompts, metadata) -> {"soft", "strict", "category"}`` of a reward made of
+    one component that has one (``geneval``: its per-tag table), else ``None``."""
+    fns = list(getattr(reward, "fns", {}).values())
+    return getattr(fns[0], "tabulate", None) if len(fns) == 1 else None
 
 
 def get_reward(spec: str | dict[str, float], options: dict | None = None, frame_stride: int = 1) -> Reward:

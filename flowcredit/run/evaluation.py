@@ -17,7 +17,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from flowcredit.models.protocol import FlowModel
-from flowcredit.rewards import uses_shapeeval
+from flowcredit.rewards import tabulator, uses_shapeeval
 from flowcredit.sde import SAMPLERS
 from flowcredit.tasks import shapes
 
@@ -124,10 +124,17 @@ def evaluate_reward(
 ) -> dict:
     """:func:`evaluate` for any reward ``reward(images, prompts, metas) -> (M,)`` (a registry reward, a
     mix, ``pkg.mod:fn``): the same fixed noise and prompt-major order; the table has one row,
-    ``overall`` (``soft`` = the mean reward; ``strict`` is NaN: only ShapeEval has a pass/fail)."""
+    ``overall`` (``soft`` = the mean reward; ``strict`` is NaN: no pass/fail), unless the reward has a
+    per-tag table (``geneval``: per tag and overall, soft = partial, strict = GenEval's score)."""
     rows, prompts, images = sample_prompts(
         model, metas, seed, samples_per_prompt, num_steps, shift, guidance_scale, chunk
     )
+    tabulate = tabulator(reward)
+    if tabulate is not None:  # a reward with a per-tag table (geneval): soft = its partial score
+        scores = tabulate(images, prompts, rows)
+        table = shapes.evaluation_table(scores["soft"], scores["strict"], scores["category"])
+        out = {"table": table, "prompts": prompts, "soft": scores["soft"], "strict": scores["strict"]}
+        return {**out, "images": images} if return_images else out
     scores = reward(images, prompts, rows)  # (P·k,)
     out = {
         "table": {"overall": {"n": len(rows), "soft": scores.mean().item(), "strict": math.nan}},

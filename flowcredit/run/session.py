@@ -20,7 +20,7 @@ from flowcredit.advantages import CREDITS, Credit
 from flowcredit.config import Config
 from flowcredit.errors import ConfigError, UserError
 from flowcredit.models import FlowModel, check_adapter, load_model
-from flowcredit.rewards import Reward, get_reward, parse_mix, uses_shapeeval
+from flowcredit.rewards import Reward, check_metadata, get_reward, parse_mix, uses_shapeeval
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from flowcredit.run.distributed import Dist
 from flowcredit.run.policy import EMA, Policy
@@ -221,6 +221,8 @@ def _assemble(cfg: Config, dist: Dist, run_dir: Path, resume: bool, model, rewar
         eval_metas=load_prompt_set(cfg.eval_prompts, cfg.num_eval_prompts, True, eval_shapes),
         eval_reward=build_reward(cfg, cfg.eval_reward, named_only=True) if cfg.eval_reward else None,
     )
+    check_metadata(s.reward, s.train_metas, cfg.train_prompts)
+    check_metadata(s.eval_reward or s.reward, s.eval_metas, cfg.eval_prompts)
     # FSDP2 replaces the parameters by DTensor shards: the EMA and the restore come after prepare
     s.optimizer = dist.prepare(model.net, s.optimizer, model.fsdp_block_classes)
     s.ema = EMA(s.params, cfg.ema_decay) if cfg.ema_decay else None

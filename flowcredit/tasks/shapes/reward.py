@@ -122,8 +122,9 @@ def find_components(images) -> dict[str, np.ndarray]:
 
     Returns ``image`` (n,) batch index, ``color`` (n,) class (``UNKNOWN`` for unexplained colours),
     ``shape`` (n,) id into ``SHAPES`` or ``BLOB``, ``cx``, ``cy`` (n,) soft centroids in pixels (x
-    right, y down), ``area`` (n,) pixel count, ``fill``, ``skew``, ``aspect``, ``extent`` (n,); sorted
-    by image.
+    right, y down), ``area`` (n,) pixel count, ``fill``, ``skew``, ``aspect``, ``extent`` (n,), the box
+    ``x0, y0, x1, y1`` (n,) (pixel edges of the rows and columns the component covers by at least half
+    a pixel); sorted by image.
     """
     x = _to_numpy(images)
     _, _, H, W = x.shape
@@ -158,8 +159,19 @@ def find_components(images) -> dict[str, np.ndarray]:
         "extent": np.maximum(rows.max(1), cols.max(1)) / max(H, W),
     }
     out["shape"] = _classify_shapes(out["fill"], out["skew"], out["aspect"], out["extent"], out["color"])
+    out |= _boxes(rows, cols)
     order = np.argsort(out["image"], kind="stable")
     return {key: v[order] for key, v in out.items()}
+
+
+def _boxes(rows: np.ndarray, cols: np.ndarray) -> dict[str, np.ndarray]:
+    """Boxes from the soft row widths ``rows (n, H)`` and column heights ``cols (n, W)``."""
+    out = {}
+    for lo, hi, sums in (("y0", "y1", rows), ("x0", "x1", cols)):
+        covered = sums >= 0.5  # (n, L)
+        out[lo] = np.argmax(covered, axis=1).astype(np.float64)
+        out[hi] = (sums.shape[1] - np.argmax(covered[:, ::-1], axis=1)).astype(np.float64)
+    return out
 
 
 def detect_objects(images) -> list[list[dict]]:
