@@ -88,7 +88,7 @@ def save_head(path, dims):
 def clip_dir(tmp_path_factory):
     d = save_tiny_clip(tmp_path_factory.mktemp("clip"))
     save_head(d / "aesthetic_head.safetensors", [8, 16, 4, 1])
-    save_head(d / "imagereward_head.safetensors", [8, 1])
+    save_head(d / "clip_product_head.safetensors", [8, 1])
     return d
 
 
@@ -99,7 +99,7 @@ def batch():
     return images, ["a red square", "a photo of a cat", "blue circle"], [{}, {}, {}]
 
 
-@pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic", "imagereward"])
+@pytest.mark.parametrize("name", ["pickscore", "clipscore", "aesthetic", "clip_product_head"])
 def test_shape_determinism_and_prompt_dependence(clip_dir, batch, name):
     images, prompts, metas = batch
     reward = get_reward(name, {name: {"model_dir": str(clip_dir), "device": "cpu"}})
@@ -137,7 +137,7 @@ def test_preprocess_shortest_edge_crop_and_normalise(clip_dir):
 
 def test_missing_dir_names_reward_option_and_path(tmp_path):
     missing = tmp_path / "no_such_model"
-    for name in ["pickscore", "clipscore", "aesthetic", "imagereward"]:
+    for name in ["pickscore", "clipscore", "aesthetic", "clip_product_head"]:
         with pytest.raises(FileNotFoundError, match=rf"{name}.*model_dir.*no_such_model"):
             get_reward(name, {name: {"model_dir": str(missing)}})
 

@@ -39,6 +39,7 @@ def test_registry_names():
         "clipscore",
         "aesthetic",
         "imagereward",
+        "clip_product_head",
         "remote",
     }
     assert expected <= set(REWARDS)

@@ -137,7 +137,8 @@ REWARDS: dict[str, RewardFactory] = {
     "pickscore": _Lazy("flowcredit.rewards.clip:pickscore"),
     "clipscore": _Lazy("flowcredit.rewards.clip:clipscore"),
     "aesthetic": _Lazy("flowcredit.rewards.clip:aesthetic"),
-    "imagereward": _Lazy("flowcredit.rewards.clip:imagereward"),
+    "imagereward": _Lazy("flowcredit.rewards.imagereward:imagereward"),
+    "clip_product_head": _Lazy("flowcredit.rewards.clip:clip_product_head"),
     "remote": _Lazy("flowcredit.rewards.remote:remote"),
     "geneval": _Lazy("flowcredit.tasks.geneval.reward:geneval"),
 }

@@ -1,5 +1,6 @@
 """CLIP-based rewards from local weight directories: ``pickscore``, ``clipscore``, ``aesthetic``,
-``imagereward`` (an ImageReward-*style* head on CLIP features, not ImageReward itself).
+``clip_product_head`` (an ImageReward-*style* head on CLIP features, not ImageReward: that is
+``imagereward``, flowcredit/rewards/imagereward.py).
 
 Every factory takes ``model_dir``: a directory written by ``CLIPModel.save_pretrained`` plus its
 tokenizer (``tokenizer.save_pretrained``) and, optionally, ``preprocessor_config.json`` (without it:
@@ -14,10 +15,10 @@ antialiasing), centre crop (``crop_size``), normalise (``image_mean``/``image_st
 - ``aesthetic``: ``head(e_img)``; ``head`` is a stack of linear layers in a safetensors file, applied in
   key order without activations: exactly the LAION aesthetic predictor v2 MLP (its ReLUs are commented
   out, its Dropouts are identity at eval) once converted from ``.pth`` (docs/rewards.md).
-- ``imagereward``: ``(head(e_img ⊙ e_txt) − mean) / std``. ImageReward proper is a BLIP model whose text
-  encoder cross-attends to the image before its MLP head; here the elementwise product of CLIP
-  embeddings stands in for that fused feature (an all-ones head gives the cosine). Real ImageReward
-  weights do not load into it; serve the real model with ``flowcredit serve-reward --reward pkg.mod:fn``.
+- ``clip_product_head``: ``(head(e_img ⊙ e_txt) − mean) / std``. ImageReward proper is a BLIP model whose
+  text encoder cross-attends to the image before its MLP head (the ``imagereward`` reward); here the
+  elementwise product of CLIP embeddings stands in for that fused feature (an all-ones head gives the
+  cosine). ImageReward's weights do not load into it; it is for a head you trained on CLIP features.
 """
 
 from __future__ import annotations
@@ -229,7 +230,7 @@ def aesthetic(*, model_dir, head_path=None, device=None, dtype="float32", batch_
     return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
 
 
-def imagereward(
+def clip_product_head(
     *,
     model_dir,
     head_path=None,
@@ -239,14 +240,14 @@ def imagereward(
     dtype="float32",
     batch_size=32,
 ):
-    """ImageReward-style ``(head(e_img ⊙ e_txt) − mean) / std`` → ``(B,)`` (see the module docstring).
+    """ImageReward-STYLE CLIP product head; not ImageReward (that is the ``imagereward`` reward).
 
-    ``head_path`` defaults to ``model_dir/imagereward_head.safetensors``. ImageReward normalises with
-    mean 0.16717362830052426, std 1.0333394966054072; pass your head's own statistics.
+    ``(head(e_img ⊙ e_txt) − mean) / std`` → ``(B,)`` (see the module docstring). ``head_path``
+    defaults to ``model_dir/clip_product_head.safetensors``; pass your head's own ``mean``/``std``.
     """
-    clip = load_clip("imagereward", model_dir, device, dtype)
-    head_path = head_path if head_path is not None else Path(model_dir) / "imagereward_head.safetensors"
-    head = load_linear_head("imagereward", head_path, clip.model.config.projection_dim)
+    clip = load_clip("clip_product_head", model_dir, device, dtype)
+    head_path = head_path if head_path is not None else Path(model_dir) / "clip_product_head.safetensors"
+    head = load_linear_head("clip_product_head", head_path, clip.model.config.projection_dim)
 
     def one(images, prompts):
         return (_apply_head(head, clip.image_embeds(images) * clip.text_embeds(prompts)) - mean) / std
