@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from flowcredit.errors import ConfigError, UserError
 
 TRAIN_PARAMS = ("lora", "text", "lora+text", "all")
+LORA_FORWARDS = ("auto", "composed", "peft")
 LOG_WITH = ("tensorboard", "wandb", "none")
 
 
@@ -133,6 +134,8 @@ class Config:
     """LoRA alpha (scale alpha/r)."""
     lora_targets: str = "default"
     """LoRA targets: 'default' (the adapter's), or a comma list of top modules ('unet,text') or suffixes."""
+    lora_forward: str = "auto"
+    """LoRA forward: 'composed' (one op, W + s·B·A), 'peft' (three ops), 'auto' (composed on tiny)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 1e-4

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from flowcredit.advantages import CREDITS
-from flowcredit.config import LOG_WITH, TRAIN_PARAMS, Config, parse_value, trained_window
+from flowcredit.config import LOG_WITH, LORA_FORWARDS, TRAIN_PARAMS, Config, parse_value, trained_window
 from flowcredit.errors import ConfigError, UserError
 from flowcredit.losses import KL_MODES
 from flowcredit.models.registry import MODELS, is_model_spec
@@ -174,6 +174,11 @@ def _check_video_and_eval(cfg: Config) -> None:
 def _check_scale_out(cfg: Config) -> None:
     """``log_with`` and the wandb extra (``gradient_checkpointing`` is checked against the adapter)."""
     _check(cfg.log_with in LOG_WITH, "log_with", f"{cfg.log_with!r} is not one of {LOG_WITH}")
+    _check(
+        cfg.lora_forward in LORA_FORWARDS,
+        "lora_forward",
+        f"{cfg.lora_forward!r} is not one of {LORA_FORWARDS}",
+    )
     _check(
         cfg.log_with != "wandb" or importlib.util.find_spec("wandb") is not None,
         "log_with",

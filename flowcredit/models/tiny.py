@@ -127,6 +127,7 @@ class TinyFlowModel(FlowModelBase):
     """
 
     default_lora_targets = "unet"  # LoRA targets for lora_targets='default': the U-Net's Linear/Conv2d
+    compose_lora = True  # lora_forward='auto' composes W + s·B·A: 0.73× the iteration (run/lora_compose.py)
 
     def __init__(self, config: TinyConfig, net: TinyNet | None = None, seed: int = 0):
         self.config = config

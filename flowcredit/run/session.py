@@ -23,6 +23,7 @@ from flowcredit.models import FlowModel, check_adapter, load_model
 from flowcredit.rewards import Reward, check_metadata, get_reward, parse_mix, uses_shapeeval
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from flowcredit.run.distributed import Dist
+from flowcredit.run.lora_compose import compose_lora
 from flowcredit.run.policy import EMA, Policy
 from flowcredit.run.rollout import Batch, draw_batch, noise_levels
 from flowcredit.run.sharding import full_dict, full_optimizer_state, shard_like, shard_optimizer_state
@@ -225,6 +226,8 @@ def _assemble(cfg: Config, dist: Dist, run_dir: Path, resume: bool, model, rewar
     check_metadata(s.eval_reward or s.reward, s.eval_metas, cfg.eval_prompts)
     # FSDP2 replaces the parameters by DTensor shards: the EMA and the restore come after prepare
     s.optimizer = dist.prepare(model.net, s.optimizer, model.fsdp_block_classes)
+    if lora_composed(cfg, model, dist.sharded):
+        compose_lora(model.net)
     s.ema = EMA(s.params, cfg.ema_decay) if cfg.ema_decay else None
     ckpt = find_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
@@ -256,6 +259,17 @@ def build_reward(cfg: Config, spec: str, named_only: bool = False) -> Reward:
     if named_only:
         options = {k: v for k, v in options.items() if k in parse_mix(spec)}
     return get_reward(spec, options or None, cfg.reward_frame_stride)
+
+
+def lora_composed(cfg: Config, model: FlowModel, sharded: bool) -> bool:
+    """Whether the LoRA layers run composed (:mod:`flowcredit.run.lora_compose`): ``lora_forward``
+    ``"composed"``, or ``"auto"`` on an adapter that asks for it (``compose_lora = True``: the built-in
+    model); never on FSDP shards."""
+    if "lora" not in cfg.train_params or cfg.lora_forward == "peft":
+        return False
+    if cfg.lora_forward == "composed" and sharded:
+        raise ConfigError("lora_forward", "'composed' cannot run on FSDP shards: use 'peft' or 'auto'")
+    return not sharded and (cfg.lora_forward == "composed" or getattr(model, "compose_lora", False))
 
 
 def configure_network(cfg: Config, model: FlowModel) -> None:

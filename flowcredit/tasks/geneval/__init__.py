@@ -1,1 +1,1 @@
-"""GenEval (Ghosh et al. 2023): its rules (``rules``), metadata (``metadata``), detectors and the ``geneval`` reward."""
+"""GenEval (Ghosh et al. 2023): its rules, metadata, detectors and the ``geneval`` reward."""
