@@ -1,0 +1,125 @@
+"""The ``skill`` preset's iteration against this machine's sgemm rate (issue 27, "a cheaper iteration").
+
+Prints the 1024² float32 sgemm rate (GFLOP/s at ``--threads``), the FLOPs of one skill iteration
+(counted by ``torch.utils.flop_counter`` on one velocity call of the policy, times the iteration's
+NFE: rollout forwards, and per trained transition a policy forward + backward (3×) plus the
+reference forward of the KL), and for each LoRA forward — ``peft`` (before) and ``composed`` (after,
+the built-in model's default) — the iteration's seconds per phase and its rate in GFLOP/s and as a
+fraction of sgemm. Both forwards run the same iteration 0 of the same session (weights and optimizer
+restored before each), alternating, ``--repeats`` times; the best of each is reported.
+
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/skill_rate.py --threads 2
+
+Take figures from a quiet machine; the ratio of the two forwards, measured side by side, is the
+robust number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from flowcredit.presets import load_config
+from flowcredit.run.lora_compose import composed_forward
+from flowcredit.run.session import build_session
+from flowcredit.train import grpo_iteration
+
+
+def sgemm_gflops(n: int = 1024, trials: int = 5) -> float:
+    """Best rate of an ``n × n`` float32 matmul, GFLOP/s."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = math.inf
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        best = min(best, (time.perf_counter() - t0) / 10)
+    return 2 * n**3 / best / 1e9
+
+
+def forward_flops_per_row(s) -> float:
+    """FLOPs of one velocity call of the policy per row (CFG passes included), batch of 8 prompts."""
+    prompts = [m["prompt"] for m in s.train_metas[:8]]
+    cond = s.model.encode(prompts)
+    x = torch.randn(len(prompts), *s.model.latent_shape)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        s.model.velocity(x, torch.full((len(prompts),), 0.5), cond)
+    return counter.get_total_flops() / len(prompts)
+
+
+def iteration_flops(metrics: dict, per_pass: float, passes: int, beta: float) -> float:
+    """FLOPs of an iteration from its NFE (``nfe/*`` count network rows × CFG passes)."""
+    rollout = (metrics["nfe/rollout"] + metrics["nfe/values"]) * per_pass / passes
+    transitions = metrics["nfe/train"] / (2 if beta else 1)  # policy rows (× passes)
+    update = transitions * (3 + (1 if beta else 0)) * per_pass / passes
+    return rollout + update
+
+
+def set_forward(net, composed: bool) -> None:
+    """Bind the composed forward to every LoRA layer, or restore peft's."""
+    from peft.tuners.lora import LoraLayer
+
+    for layer in net.modules():
+        if isinstance(layer, LoraLayer):
+            if composed:
+                layer.forward = types.MethodType(composed_forward, layer)
+            else:
+                layer.__dict__.pop("forward", None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=None, help="also write the figures as JSON here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = ["--threads", str(args.threads), "--log_with", "none", "--eval_every", "0"]
+        cfg = load_config("skill", None, [*overrides, "--run_dir", str(Path(tmp) / "run")])
+        s = build_session(cfg)
+        passes = getattr(s, "guidance_passes", 1)
+        per_row = forward_flops_per_row(s)
+        state = s.policy.trainable_state()
+        opt = copy.deepcopy(s.optimizer.state_dict())
+        runs = {"peft": [], "composed": []}
+        for _ in range(args.repeats):
+            for name in runs:
+                s.policy.load_trainable_state(state)
+                s.optimizer.load_state_dict(opt)
+                set_forward(s.model.net, name == "composed")
+                t0 = time.perf_counter()
+                m = grpo_iteration(s, 0)
+                runs[name].append((time.perf_counter() - t0, m))
+    sgemm = sgemm_gflops()
+    print(f"torch {torch.__version__}, {args.threads} threads; sgemm 1024² float32: {sgemm:.0f} GFLOP/s")
+    print(f"policy forward: {per_row / 1e9:.3f} GFLOP per row (CFG passes included)\n")
+    print("| LoRA forward | iteration s | rollout s | update s | GFLOP | GFLOP/s | of sgemm |")
+    print("|---|---|---|---|---|---|---|")
+    out = {"threads": args.threads, "sgemm_gflops": sgemm, "forward_gflop_per_row": per_row / 1e9}
+    for name, results in runs.items():
+        seconds, m = min(results, key=lambda r: r[0])
+        flops = iteration_flops(m, per_row, passes, cfg.beta)
+        rate = flops / seconds / 1e9
+        print(
+            f"| {name} | {seconds:.2f} | {m['time/rollout_s']:.2f} | {m['time/update_s']:.2f} "
+            f"| {flops / 1e9:.0f} | {rate:.0f} | {rate / sgemm:.0%} |"
+        )
+        out[name] = {"seconds": seconds, "gflop": flops / 1e9, "gflops": rate, "of_sgemm": rate / sgemm}
+    print(f"\ncomposed / peft time: {out['composed']['seconds'] / out['peft']['seconds']:.2f}×")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
