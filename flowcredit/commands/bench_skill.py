@@ -109,6 +109,8 @@ def publish(run_dir: Path, dest: Path) -> Path:
     """Copy the run's small results (config, summary, held-out per-sample scores) to ``dest/<run>.json``."""
     record = {"run": run_dir.name}
     files = {"config": "config.json", "summary": "summary.json", "heldout": "heldout/eval.json"}
+    if not (run_dir / "config.json").is_file():  # the base checkpoint's evaluation directory
+        files = {"heldout": "eval.json"}
     for name, path in files.items():
         if (run_dir / path).is_file():
             record[name] = json.loads((run_dir / path).read_text())
@@ -116,3 +118,94 @@ def publish(run_dir: Path, dest: Path) -> Path:
     target = dest / f"{run_dir.name}.json"
     target.write_text(json.dumps(record) + "\n")
     return target
+
+
+# --- the report: held-out scores of the published runs, paired differences, verdicts ---------------
+
+SKILL_CLAIMS = (
+    ("skill-tp", "TP-GRPO: better held-out GenEval-style score than Flow-GRPO (same iterations)", "better"),
+    (
+        "skill-tp_equal_nfe",
+        "TP-GRPO reaches Flow-GRPO's score at ≈ 1/3 of its steps (equal NFE)",
+        "noninferior",
+    ),
+    ("skill-dense_euler1", "DenseGRPO (one-step values): better than Flow-GRPO", "better"),
+    ("skill-dense", "DenseGRPO: better than Flow-GRPO", "better"),
+    ("skill-stepwise", "Stepwise-Flow-GRPO: better than Flow-GRPO", "better"),
+)
+"""(arm, the paper's claim as this grid can test it, rule of :func:`skill_verdict`)."""
+EQUIVALENCE = 0.02
+"""Held-out strict: a difference within ±0.02 counts as none (the rule of ``"better"``), and TP-GRPO at
+equal NFE is non-inferior if it is at most 0.02 below Flow-GRPO."""
+
+
+def heldout_scores(heldout: dict, categories: dict[str, str]) -> dict:
+    """``{"strict", "soft"}`` → ``{"overall", "per_image", <category>...}`` of one evaluation file
+    (``flowcredit eval`` JSON), each averaged over its noise seeds; overall = the mean of the category
+    means (GenEval's convention), per_image = the mean over all images."""
+    out = {}
+    for key in ("strict", "soft"):
+        rows = []
+        for seed in map(str, heldout["seeds"]):
+            values = heldout["per_sample"][seed][key]
+            cats = [categories[p] for p in heldout["sample_prompts"]]
+            by_cat = {c: [v for v, cc in zip(values, cats) if cc == c] for c in dict.fromkeys(cats)}
+            row = {c: sum(v) / len(v) for c, v in by_cat.items()}
+            row["overall"] = sum(row.values()) / len(row)
+            row["per_image"] = sum(values) / len(values)
+            rows.append(row)
+        out[key] = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    return out
+
+
+def skill_verdict(rule: str, mean: float, half: float, n: int) -> str:
+    """``"better"``: the rule of :func:`flowcredit.commands.bench_stats.verdict` with ±``EQUIVALENCE``;
+    ``"noninferior"``: reproduced if the lower bound > −EQUIVALENCE, not reproduced if the upper
+    bound < −EQUIVALENCE, else inconclusive; below 2 paired seeds always inconclusive."""
+    from flowcredit.commands.bench_stats import verdict
+
+    if rule == "better":
+        return verdict(("better", EQUIVALENCE), mean, half, n)
+    if n < 2 or half != half:
+        return f"inconclusive at n={n}"
+    if mean - half > -EQUIVALENCE:
+        return "reproduced"
+    return "not reproduced" if mean + half < -EQUIVALENCE else f"inconclusive at n={n}"
+
+
+def skill_report(records: dict[str, dict], categories: dict[str, str], baseline: str = "skill") -> dict:
+    """From published records (``name -> publish()`` JSON; the base evaluation under ``base-heldout``,
+    runs as ``<arm>-seed<k>``): per arm the seeds, mean scores and change from the base; paired
+    differences arm − baseline per seed with 95 % t-intervals (overall, per image, per category);
+    verdicts per claim."""
+    from flowcredit.commands.bench_stats import ci95
+
+    base = heldout_scores(records["base-heldout"]["heldout"], categories)
+    arms: dict[str, dict[int, dict]] = {}
+    for name, rec in records.items():
+        arm, _, seed = name.rpartition("-seed")
+        if arm and seed.isdigit() and "heldout" in rec:
+            arms.setdefault(arm, {})[int(seed)] = heldout_scores(rec["heldout"], categories)
+    out = {"base": base, "arms": {}, "paired": {}, "claims": []}
+    for arm, by_seed in sorted(arms.items()):
+        change = {k: ci95([s[k]["overall"] - base[k]["overall"] for s in by_seed.values()]) for k in base}
+        out["arms"][arm] = {"seeds": sorted(by_seed), "per_seed": by_seed, "change_from_base": change}
+    for arm, by_seed in sorted(arms.items()):
+        if arm == baseline or baseline not in arms:
+            continue
+        seeds = sorted(set(by_seed) & set(arms[baseline]))
+        if not seeds:
+            continue
+        diffs = {}
+        for key in ("strict", "soft"):
+            for part in base[key]:
+                values = [by_seed[s][key][part] - arms[baseline][s][key][part] for s in seeds]
+                diffs[f"{key}/{part}"] = ci95(values)
+        out["paired"][arm] = {"seeds": seeds, "diff": diffs}
+    for arm, claim, rule in SKILL_CLAIMS:
+        if arm in out["paired"]:
+            p = out["paired"][arm]
+            mean, half = p["diff"]["strict/overall"]
+            status = skill_verdict(rule, mean, half, len(p["seeds"]))
+            out["claims"].append({"arm": arm, "claim": claim, "n": len(p["seeds"]), "verdict": status})
+    return out

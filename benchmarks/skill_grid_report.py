@@ -1,0 +1,67 @@
+"""The skill comparison's report from the runs published in git (``flowcredit bench --task skill
+--publish DIR``): ``DIR/../results.json`` and ``DIR/../table.md`` — held-out scores (86 prompts × 16
+samples × noise seeds 7001/7002) of the base checkpoint and of every finished run, each arm's change
+from the base, paired differences to the Flow-GRPO arm (``skill``) with 95 % t-intervals over the
+seeds both ran, and a verdict per paper claim (flowcredit/commands/bench_skill.py).
+
+    .venv/bin/python benchmarks/skill_grid_report.py benchmarks/results/skill_compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from flowcredit.commands.bench_skill import skill_report
+from flowcredit.tasks.shapes import CATEGORIES, load_prompts
+
+
+def _cell(mean_half) -> str:
+    mean, half = mean_half
+    return f"{mean:+.3f}" + (f" ± {half:.3f}" if half == half else " (one seed)")
+
+
+def table(rep: dict) -> str:
+    lines = ["# The skill comparison (held-out, 86 prompts × 16 samples × noise seeds 7001, 7002)", ""]
+    base = rep["base"]
+    lines += [
+        f"Base checkpoint: strict {base['strict']['overall']:.3f}, soft {base['soft']['overall']:.3f} "
+        f"(per image: strict {base['strict']['per_image']:.3f}).",
+        "",
+    ]
+    lines += ["| arm | seeds | strict − base | soft − base |", "|---|---|---|---|"]
+    for arm, a in rep["arms"].items():
+        ch = a["change_from_base"]
+        lines.append(
+            f"| {arm} | {','.join(map(str, a['seeds']))} | {_cell(ch['strict'])} | {_cell(ch['soft'])} |"
+        )
+    lines += ["", "## Paired differences to Flow-GRPO (`skill`), same seeds", ""]
+    head = ["arm", "seeds", "strict", "soft", "strict per image", *CATEGORIES]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, p in rep["paired"].items():
+        d = p["diff"]
+        cats = [_cell(d[f"strict/{c}"]) for c in CATEGORIES]
+        row = [arm, ",".join(map(str, p["seeds"])), _cell(d["strict/overall"]), _cell(d["soft/overall"])]
+        lines.append("| " + " | ".join([*row, _cell(d["strict/per_image"]), *cats]) + " |")
+    lines += ["", "## Claims", "", "| claim | arm | n | verdict |", "|---|---|---|---|"]
+    for c in rep["claims"]:
+        lines.append(f"| {c['claim']} | {c['arm']} | {c['n']} | {c['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", help="the directory holding runs/ (published JSON)")
+    args = p.parse_args()
+    out = Path(args.results)
+    records = {f.stem: json.loads(f.read_text()) for f in sorted((out / "runs").glob("*.json"))}
+    categories = {m["prompt"]: m["category"] for m in load_prompts("test")}
+    rep = skill_report(records, categories)
+    (out / "results.json").write_text(json.dumps(rep, indent=1) + "\n")
+    (out / "table.md").write_text(table(rep))
+    print(table(rep))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The skill comparison's pieces (flowcredit/commands/bench_skill.py): NFE by hand, the arms as
+planned cells, held-out scores and paired differences on hand-made evaluations, the verdicts."""
+
+import argparse
+import math
+
+import pytest
+
+from flowcredit.commands.bench import plan_cells
+from flowcredit.commands.bench_skill import heldout_scores, nominal_nfe, skill_report, skill_verdict
+from flowcredit.presets import load_config
+
+
+def test_nominal_nfe_by_hand():
+    # skill: 10 rollout steps; update: 5 trained steps × (policy + reference for β > 0)
+    assert nominal_nfe(load_config("skill")) == 10 + 5 * 2
+    # TP-GRPO credit: ode_remaining completions from states 0–4 (state 5 is copied: the rest is ODE)
+    assert nominal_nfe(load_config("skill", None, ["--credit", "turning_point"])) == 20 + (10 + 9 + 8 + 7 + 6)
+    # one-step values: one call from each of states 0–4
+    one_step = ["--credit", "dense", "--estimator", "euler", "--substeps", "1"]
+    assert nominal_nfe(load_config("skill", None, one_step)) == 20 + 5
+
+
+def test_the_arms_are_the_preset_with_one_change():
+    args = argparse.Namespace(
+        presets="skill", task="skill", minutes=0, iterations=None, quick=False, ablations="tp,tp_equal_nfe"
+    )
+    cells = {c["name"]: c for c in plan_cells(args, [])}
+    assert list(cells) == ["skill", "skill-tp", "skill-tp_equal_nfe"]
+    base = load_config("skill", None, cells["skill"]["overrides"])
+    tp = load_config("skill", None, cells["skill-tp"]["overrides"])
+    equal = load_config("skill", None, cells["skill-tp_equal_nfe"]["overrides"])
+    assert tp.credit == "turning_point" and tp.iterations == base.iterations == 450
+    assert equal.iterations == 150  # 450 × 20 / 60
+    changed = {k for k, v in vars(tp).items() if getattr(base, k) != v}
+    assert changed == {"credit"}
+
+
+def _eval(strict_by_seed, soft_by_seed, prompts, k=2):
+    return {
+        "seeds": [1, 2],
+        "samples_per_prompt": k,
+        "sample_prompts": [p for p in prompts for _ in range(k)],
+        "per_sample": {
+            str(s): {"strict": strict_by_seed[i], "soft": soft_by_seed[i]} for i, s in enumerate((1, 2))
+        },
+    }
+
+
+CATS = {"a red circle": "colors", "two squares": "counting", "one square": "counting"}
+PROMPTS = ["a red circle", "two squares", "one square"]
+
+
+def test_heldout_scores_by_hand():
+    ev = _eval([[1, 0, 1, 1, 0, 0], [1, 1, 0, 0, 0, 1]], [[0.5] * 6, [1.0] * 6], PROMPTS)
+    got = heldout_scores(ev, CATS)
+    # seed 1: colors 0.5, counting (1+1+0+0)/4 = 0.5 → overall 0.5, per image 3/6
+    # seed 2: colors 1.0, counting (0+0+0+1)/4 = 0.25 → overall 0.625, per image 3/6
+    assert got["strict"]["colors"] == pytest.approx(0.75)
+    assert got["strict"]["counting"] == pytest.approx(0.375)
+    assert got["strict"]["overall"] == pytest.approx((0.5 + 0.625) / 2)
+    assert got["strict"]["per_image"] == pytest.approx(0.5)
+    assert got["soft"]["overall"] == pytest.approx(0.75)
+
+
+def _record(strict_value):
+    ones = [[strict_value] * 6, [strict_value] * 6]
+    return {"heldout": _eval(ones, ones, PROMPTS)}
+
+
+def test_paired_differences_and_verdicts_by_hand():
+    records = {"base-heldout": _record(0.2)}
+    for seed, (flow, tp) in {10: (0.30, 0.36), 11: (0.40, 0.42)}.items():
+        records[f"skill-seed{seed}"] = _record(flow)
+        records[f"skill-tp-seed{seed}"] = _record(tp)
+    records["skill-tp_equal_nfe-seed10"] = _record(0.5)  # one seed only
+    rep = skill_report(records, CATS)
+    mean, half = rep["paired"]["skill-tp"]["diff"]["strict/overall"]
+    assert mean == pytest.approx(0.04)  # (0.06 + 0.02) / 2
+    sd = math.sqrt(((0.06 - 0.04) ** 2 + (0.02 - 0.04) ** 2) / 1)
+    assert half == pytest.approx(12.7062 * sd / math.sqrt(2), rel=1e-4)  # t(0.975, 1) = 12.706
+    assert rep["arms"]["skill"]["change_from_base"]["strict"][0] == pytest.approx(0.15)
+    claims = {c["arm"]: c for c in rep["claims"]}
+    assert claims["skill-tp"]["verdict"] == "inconclusive at n=2"  # 0.04 ± 0.254 spans 0
+    assert (
+        claims["skill-tp_equal_nfe"]["n"] == 1
+        and claims["skill-tp_equal_nfe"]["verdict"] == "inconclusive at n=1"
+    )
+
+
+@pytest.mark.parametrize(
+    "rule, mean, half, n, want",
+    [
+        ("better", 0.05, 0.02, 4, "reproduced"),
+        ("better", -0.05, 0.02, 4, "not reproduced"),
+        ("better", 0.0, 0.015, 4, "not reproduced"),  # equivalent within ±0.02
+        ("better", 0.01, 0.05, 4, "inconclusive at n=4"),
+        ("noninferior", -0.01, 0.005, 4, "reproduced"),
+        ("noninferior", -0.05, 0.02, 4, "not reproduced"),
+        ("noninferior", -0.01, 0.05, 4, "inconclusive at n=4"),
+        ("better", 0.5, 0.01, 1, "inconclusive at n=1"),
+    ],
+)
+def test_skill_verdicts(rule, mean, half, n, want):
+    assert skill_verdict(rule, mean, half, n) == want
