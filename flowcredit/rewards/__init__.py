@@ -137,6 +137,7 @@ REWARDS: dict[str, RewardFactory] = {
     "pickscore": _Lazy("flowcredit.rewards.clip:pickscore"),
     "clipscore": _Lazy("flowcredit.rewards.clip:clipscore"),
     "aesthetic": _Lazy("flowcredit.rewards.clip:aesthetic"),
+    "hps": _Lazy("flowcredit.rewards.hps:hps"),
     "imagereward": _Lazy("flowcredit.rewards.imagereward:imagereward"),
     "clip_product_head": _Lazy("flowcredit.rewards.clip:clip_product_head"),
     "remote": _Lazy("flowcredit.rewards.remote:remote"),
