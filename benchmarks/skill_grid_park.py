@@ -1,0 +1,72 @@
+"""Carry the skill grid's unfinished runs across a stop of the machine, through git.
+
+``park``: copy each unfinished run's resumable state (``config.json``, the newest complete
+checkpoint — safetensors + JSON, about 1.1 MB —, ``metrics.jsonl``, ``timings.jsonl``, the start
+grid) from ``RUNS`` into ``DEST/<run>/``; finished runs are already published as small JSON by
+``flowcredit bench --publish``. ``restore``: copy them back into ``RUNS`` unless the run is there
+already; then the same ``flowcredit bench`` command resumes them from their checkpoints (resume is
+exact: docs/testing.md), and the parked copies can be deleted.
+
+    .venv/bin/python benchmarks/skill_grid_park.py park      # RUNS, DEST: the defaults below
+    .venv/bin/python benchmarks/skill_grid_park.py restore
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+from flowcredit.run.checkpoint import find_checkpoint
+
+KEEP = ("config.json", "metrics.jsonl", "timings.jsonl", "grid_start_test.png")
+
+
+def park(runs: Path, dest: Path) -> list[str]:
+    """Copy the resumable state of every unfinished run with a checkpoint; returns their names."""
+    parked = []
+    for run in sorted(p for p in runs.iterdir() if p.is_dir()):
+        checkpoint = find_checkpoint(run)
+        if (run / "summary.json").exists() or checkpoint is None:
+            continue
+        target = dest / run.name
+        tmp = dest / f".{run.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name in KEEP:
+            if (run / name).is_file():
+                shutil.copy2(run / name, tmp / name)
+        shutil.copytree(checkpoint, tmp / "checkpoint")
+        shutil.rmtree(target, ignore_errors=True)
+        tmp.rename(target)
+        parked.append(run.name)
+    for stale in (p for p in dest.iterdir() if p.is_dir() and p.name not in parked) if dest.exists() else []:
+        if (runs / stale.name / "summary.json").exists():  # finished since it was parked
+            shutil.rmtree(stale)
+    return parked
+
+
+def restore(runs: Path, dest: Path) -> list[str]:
+    """Copy parked runs back into ``runs`` where they are missing; returns their names."""
+    restored = []
+    for parked in sorted(p for p in dest.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if (runs / parked.name).exists():
+            continue
+        shutil.copytree(parked, runs / parked.name)
+        restored.append(parked.name)
+    return restored
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("park", "restore"))
+    p.add_argument("runs", type=Path, nargs="?", default=Path("runs/skill_compare/runs"))
+    p.add_argument("dest", type=Path, nargs="?", default=Path("benchmarks/results/skill_compare/inflight"))
+    args = p.parse_args()
+    args.runs.mkdir(parents=True, exist_ok=True)
+    done = (park if args.action == "park" else restore)(args.runs, args.dest)
+    print(f"{args.action}: {', '.join(done) or 'nothing'}")
+
+
+if __name__ == "__main__":
+    main()
