@@ -77,11 +77,46 @@ def set_forward(net, composed: bool) -> None:
                 layer.__dict__.pop("forward", None)
 
 
+def arm_times(arms: list[str], threads: int, repeats: int) -> dict[str, float]:
+    """Best iteration-0 seconds of the preset (``skill``) and of each arm of the skill comparison
+    (``bench_skill.SKILL_ARMS``), composed forward, sessions built once and iterated alternately."""
+    from flowcredit.commands.bench_skill import SKILL_ARMS
+
+    overrides = ["--threads", str(threads), "--log_with", "none", "--eval_every", "0"]
+    sessions, starts = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = load_config("skill", None, overrides)
+        for name in ["skill", *arms]:
+            change = (
+                SKILL_ARMS[name](base)
+                if name != "skill" and callable(SKILL_ARMS[name])
+                else SKILL_ARMS.get(name, [])
+            )
+            cfg = load_config("skill", None, [*overrides, *change, "--run_dir", str(Path(tmp) / name)])
+            sessions[name] = build_session(cfg)
+            starts[name] = (
+                sessions[name].policy.trainable_state(),
+                copy.deepcopy(sessions[name].optimizer.state_dict()),
+            )
+        best = {name: math.inf for name in sessions}
+        for _ in range(repeats):
+            for name, s in sessions.items():
+                s.policy.load_trainable_state(starts[name][0])
+                s.optimizer.load_state_dict(starts[name][1])
+                t0 = time.perf_counter()
+                grpo_iteration(s, 0)
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the figures as JSON here")
+    p.add_argument(
+        "--arms", default="", help="also time these arms of the skill comparison, e.g. dense_euler1"
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,6 +152,12 @@ def main() -> None:
         )
         out[name] = {"seconds": seconds, "gflop": flops / 1e9, "gflops": rate, "of_sgemm": rate / sgemm}
     print(f"\ncomposed / peft time: {out['composed']['seconds'] / out['peft']['seconds']:.2f}×")
+    if args.arms:
+        times = arm_times(args.arms.split(","), args.threads, args.repeats)
+        print("\n| arm (composed forward) | iteration s | ÷ Flow-GRPO (skill) |\n|---|---|---|")
+        for name, seconds in times.items():
+            print(f"| {name} | {seconds:.2f} | {seconds / times['skill']:.2f}× |")
+        out["arms"] = times
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -48,7 +48,17 @@ def grpo_iteration(s: Session, it: int) -> dict:
     sde_gen = seeded(cfg.seed, it, 2)  # the same on every rank: rollout keeps this rank's rows
     with clock("rollout"):
         ro = rollout(
-            model, cond, group, batch.x0, s.sigmas, s.levels, s.step_fn, sde_gen, *s.rollout_opts, batch.rows
+            model,
+            cond,
+            group,
+            batch.x0,
+            s.sigmas,
+            s.levels,
+            s.step_fn,
+            sde_gen,
+            *s.rollout_opts,
+            batch.rows,
+            keep_velocity=s.one_step_values,
         )
     score = ScoreFn(s.reward, cfg.reward, batch.prompts, batch.metas, group, cfg.skip_bad_rewards)
     with clock("values"), s.policy.merged():  # values never enter logp_old: merged weights are safe

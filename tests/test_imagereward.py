@@ -1,5 +1,5 @@
 """The ``imagereward`` reward (BLIP ImageReward) on a tiny random checkpoint in the RELEASED key layout,
-converted by ``python -m flowcredit.rewards.imagereward convert``: flowcredit/rewards/imagereward*.py.
+converted by ``python -m flowcredit.rewards.imagereward_convert convert``: flowcredit/rewards/imagereward*.py.
 
 The independent test recomputes a score by hand from the raw released tensors (plain torch ops), which
 is what shows that the key mapping and the computation match ImageReward's BLIP."""
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from flowcredit.rewards import get_reward
-from flowcredit.rewards.imagereward import IMAGEREWARD_MEAN, IMAGEREWARD_STD, main
+from flowcredit.rewards.imagereward import IMAGEREWARD_MEAN, IMAGEREWARD_STD
+from flowcredit.rewards.imagereward_convert import main
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ["a", "red", "blue", "green", "square", "circle", "photo", "of", "cat", "dog"]

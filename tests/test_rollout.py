@@ -150,3 +150,45 @@ def test_rollout_rows_draw_the_noise_of_the_whole_batch():
     assert torch.equal(torch.cat([h.logp for h in halves]), whole.logp)
     with pytest.raises(ValueError, match="do not match"):
         rollout(model, cond, group, x0, sigmas, levels, step, torch.Generator(), rows=(6, 0, 3))
+
+
+def test_one_step_values_reuse_the_rollout_velocity():
+    """euler(1) values from the rollout's own velocities: x̂0 = x − σ·v in closed form, no model call,
+    equal to the completion that calls the model."""
+    n, group = 5, torch.tensor([0, 0, 1])
+    sigmas = make_sigmas(n)
+    levels = torch.tensor([0.0, 0.7, 0.7, 0.7, 0.0])
+    x0 = torch.randn(3, 1, 2, 2, generator=torch.Generator().manual_seed(0))
+    model, cond = Linear(), torch.zeros(2, 1)
+    args = (model, cond, group, x0, sigmas, levels, SAMPLERS["ddim_sde"])
+    kept = rollout(*args, torch.Generator().manual_seed(1), keep_velocity=True)
+    plain = rollout(*args, torch.Generator().manual_seed(1))
+    assert plain.velocities is None and torch.equal(kept.states, plain.states)
+    torch.testing.assert_close(kept.velocities, kept.states[:, :n] / 2)  # Linear: v = x / 2
+    trained = levels > 0
+
+    def score(images, rows):
+        return images.flatten(1).sum(dim=1)
+
+    reused, nfe_reused = state_values(model, cond, group, kept, sigmas, "states", trained, "euler", 1, score)
+    called, nfe_called = state_values(model, cond, group, plain, sigmas, "states", trained, "euler", 1, score)
+    assert nfe_reused == 0 and nfe_called > 0
+    torch.testing.assert_close(reused, called, equal_nan=True)
+    for i in (1, 2, 3):  # x̂0 = x − σ·x/2
+        torch.testing.assert_close(
+            reused[:, i], kept.states[:, i].flatten(1).sum(dim=1) * (1 - sigmas[i] / 2)
+        )
+    # euler(2) does not reuse them: it needs the velocity at an intermediate σ
+    _, nfe_two = state_values(model, cond, group, kept, sigmas, "states", trained, "euler", 2, score)
+    assert nfe_two > 0
+
+
+def test_an_iteration_with_one_step_values_calls_no_model_for_them(tmp_path, one_thread):
+    from loop_probes import small_session
+
+    from flowcredit.train import grpo_iteration
+
+    s = small_session("dense_grpo", tmp_path, estimator="euler", substeps=1, calibrate=False)
+    assert s.one_step_values
+    m = grpo_iteration(s, 0)
+    assert m["nfe/values"] == 0 and m["stats/first_ratio_maxdev"] == 0.0

@@ -14,7 +14,7 @@ As in ``ImageReward.score`` / ``inference_rank`` / ``score_gard``, the prompt is
 ImageReward's torchvision transform: shortest edge to 224 (bicubic), centre crop 224, CLIP mean/std
 (in torch: :func:`flowcredit.rewards.clip.preprocess`).
 
-``model_dir`` is written once by ``python -m flowcredit.rewards.imagereward convert`` from the released
+``model_dir`` is written once by ``python -m flowcredit.rewards.imagereward_convert`` from the released
 ``ImageReward.pt`` (:mod:`flowcredit.rewards.imagereward_convert`): ``model.safetensors`` in this module's
 key layout (``vision.*`` = ``transformers.BlipVisionModel``, ``text.*`` = ``BlipTextModel`` with
 cross-attention, ``head.layers.i.*``), ``config.json`` (sizes, mean/std, max_length) and the tokenizer.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -113,7 +112,7 @@ def build_model(cfg: dict, meta: bool = False) -> ImageRewardModel:
 def read_config(model_dir: Path) -> dict:
     """``model_dir/config.json``, checked to be ours."""
     path = model_dir / "config.json"
-    hint = "write it with: python -m flowcredit.rewards.imagereward convert (docs/rewards.md)"
+    hint = "write it with: python -m flowcredit.rewards.imagereward_convert (docs/rewards.md)"
     if not path.is_file():
         raise FileNotFoundError(f"reward {NAME!r}: model_dir {str(model_dir)!r} has no config.json; {hint}")
     cfg = json.loads(path.read_text())
@@ -179,7 +178,7 @@ def image_config(cfg: dict) -> dict:
 def imagereward(*, model_dir, device=None, dtype="float32", batch_size: int = 32):
     """ImageReward v1.0: ``(head(BLIP(image, prompt)[CLS]) − mean) / std`` → ``(B,)`` (module docstring).
 
-    ``model_dir``: a directory written by ``python -m flowcredit.rewards.imagereward convert``.
+    ``model_dir``: a directory written by ``python -m flowcredit.rewards.imagereward_convert``.
     """
     path = _existing(NAME, "model_dir", model_dir, want_dir=True)
     if dtype not in _DTYPES:
@@ -199,32 +198,3 @@ def imagereward(*, model_dir, device=None, dtype="float32", batch_size: int = 32
         return (raw.float() - mean) / std
 
     return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m flowcredit.rewards.imagereward convert --checkpoint PT --tokenizer DIR --out DIR``."""
-    import argparse
-
-    from flowcredit.errors import UserError
-    from flowcredit.rewards.imagereward_convert import convert
-
-    parser = argparse.ArgumentParser(prog="python -m flowcredit.rewards.imagereward")
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("convert", help="released ImageReward.pt + bert-base-uncased tokenizer → model_dir")
-    c.add_argument("--checkpoint", required=True, help="the released ImageReward.pt (a state dict)")
-    c.add_argument("--tokenizer", required=True, help="a directory with the bert-base-uncased tokenizer")
-    c.add_argument("--out", required=True, help="the model_dir to write")
-    c.add_argument("--vision-heads", type=int, default=None, help="default: vision width / 64 (16 for ViT-L)")
-    c.add_argument("--text-heads", type=int, default=None, help="default: text width / 64 (12 for BERT-base)")
-    args = parser.parse_args(argv)
-    try:
-        report = convert(args.checkpoint, args.tokenizer, args.out, args.vision_heads, args.text_heads)
-    except (UserError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(report)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -200,3 +201,29 @@ def convert(checkpoint, tokenizer_dir, out, vision_heads=None, text_heads=None) 
         f"wrote {out}: model.safetensors ({len(tensors)} tensors), config.json, tokenizer; "
         f"dropped {len(dropped)} keys not used by the score: {dropped}"
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flowcredit.rewards.imagereward_convert convert --checkpoint PT --tokenizer DIR …``"""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m flowcredit.rewards.imagereward_convert")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("convert", help="released ImageReward.pt + bert-base-uncased tokenizer → model_dir")
+    c.add_argument("--checkpoint", required=True, help="the released ImageReward.pt (a state dict)")
+    c.add_argument("--tokenizer", required=True, help="a directory with the bert-base-uncased tokenizer")
+    c.add_argument("--out", required=True, help="the model_dir to write")
+    c.add_argument("--vision-heads", type=int, default=None, help="default: vision width / 64 (16 for ViT-L)")
+    c.add_argument("--text-heads", type=int, default=None, help="default: text width / 64 (12 for BERT-base)")
+    args = parser.parse_args(argv)
+    try:
+        report = convert(args.checkpoint, args.tokenizer, args.out, args.vision_heads, args.text_heads)
+    except (UserError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

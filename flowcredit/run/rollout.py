@@ -101,6 +101,8 @@ class Rollout:
     states: torch.Tensor
     logp: torch.Tensor
     std: torch.Tensor
+    velocities: torch.Tensor | None = None
+    """``(B, N, C, H, W)``: the velocity the rollout computed at each state (``keep_velocity``)."""
 
 
 def chunked_velocity(model, x, sigma, cond, group, batch_size: int) -> torch.Tensor:
@@ -126,6 +128,7 @@ def rollout(
     logp_mode="gaussian",
     batch_size=64,
     rows: tuple[int, int, int] | None = None,
+    keep_velocity: bool = False,
 ) -> Rollout:
     """Sample ``B`` trajectories with ``step_fn`` and per-step noise ``levels (N,)`` (0 = ODE step).
 
@@ -136,16 +139,19 @@ def rollout(
             Every step then draws the noise of all ``total`` rows and keeps this slice, so a row's
             noise depends on the seed and its global index only, not on how the batch is split
             over processes. None: ``(B, 0, B)``, the same draws.
+        keep_velocity: also return the velocity of every step (one-step values reuse it).
     """
     b, n = x0.shape[0], sigmas.numel() - 1
     total, lo, hi = rows or (b, 0, b)
     if hi - lo != b:
         raise ValueError(f"rows {rows} do not match the {b} rows of x0")
-    states, logps, stds = [x0.float()], [], []
+    states, logps, stds, velocities = [x0.float()], [], [], []
     x = states[0]
     for i in range(n):
         sigma = sigmas[i].expand(b)
         v = chunked_velocity(model, x, sigma, cond, group, batch_size)
+        if keep_velocity:
+            velocities.append(v.float())
         noise = torch.randn((total, *x.shape[1:]), generator=generator, dtype=torch.float32)[lo:hi]
         step = step_fn(
             v,
@@ -160,7 +166,8 @@ def rollout(
         states.append(x)
         logps.append(step.logp)
         stds.append(step.std)
-    return Rollout(torch.stack(states, 1), torch.stack(logps, 1), torch.stack(stds, 1))
+    kept = torch.stack(velocities, 1) if keep_velocity else None
+    return Rollout(torch.stack(states, 1), torch.stack(logps, 1), torch.stack(stds, 1), kept)
 
 
 def needed_states(needs: str, trained: torch.Tensor) -> torch.Tensor:
@@ -205,6 +212,18 @@ def plan_completions(need: torch.Tensor, deterministic: torch.Tensor, estimator:
     return compute, copy
 
 
+def reuses_velocity(ro: Rollout, estimator: str, substeps: int) -> bool:
+    """Whether the values are one-step estimates (``euler``, k = 1) from the rollout's own velocities."""
+    return ro.velocities is not None and estimator == "euler" and substeps == 1
+
+
+def one_step_clean(x: torch.Tensor, v: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """``x̂0 = x − σ·v`` for states ``x (M, …)`` with their velocities ``v (M, …)`` at ``σ (M,)``: the
+    ``euler(1)`` completion (one Euler step from σ to 0), with the velocity the rollout computed
+    (policy weights unmerged, so it differs from a merged completion by float round-off only)."""
+    return x - sigma.to(x).view(-1, *([1] * (x.dim() - 1))) * v
+
+
 @torch.no_grad()
 def state_values(
     model, cond, group, ro: Rollout, sigmas, needs, trained, estimator, substeps, score, batch_size=64
@@ -213,8 +232,9 @@ def state_values(
 
     ``score(images (M, 3, H, W), row_index (M,)) -> rewards (M,)`` is called twice: on the ``B``
     final images, in a background thread while the completions run (a reward outside torch then
-    costs no wall time), and on all completions at once. Returns ``(values, nfe)`` with ``nfe`` =
-    model calls × rows.
+    costs no wall time), and on all completions at once. One-step values (``euler``, k = 1) of a
+    rollout that kept its velocities (:func:`reuses_velocity`) need no model call. Returns
+    ``(values, nfe)`` with ``nfe`` = model calls × rows.
     """
     b, n = ro.logp.shape
     deterministic = (ro.std == 0).all(dim=0)  # (N,)
@@ -233,7 +253,9 @@ def state_values(
     with ThreadPoolExecutor(max_workers=1) as pool:
         final_rewards = pool.submit(score, finals, torch.arange(b))
         clean = None
-        if len(start):
+        if len(start) and reuses_velocity(ro, estimator, substeps):  # x̂0 = x − σ·v, no model call
+            clean = one_step_clean(ro.states[row_of, start], ro.velocities[row_of, start], sigmas[start])
+        elif len(start):
             clean = complete(
                 velocity, ro.states[row_of, start], sigmas, start, estimator, substeps, with_rows=True
             )

@@ -80,6 +80,13 @@ class Session:
         return self.cfg.logp_mode, self.cfg.batch_size
 
     @property
+    def one_step_values(self) -> bool:
+        """The method needs state values and they are one-step (``euler``, k = 1): the rollout keeps its
+        velocities and the values reuse them (no model call of their own)."""
+        cfg = self.cfg
+        return self.credit.needs == "states" and cfg.estimator == "euler" and cfg.substeps == 1
+
+    @property
     def value_opts(self) -> tuple[str, torch.Tensor, str, int]:
         """``(needs, trained, estimator, substeps)`` of :func:`flowcredit.run.rollout.state_values`."""
         return self.credit.needs, self.trained, self.cfg.estimator, self.cfg.substeps
