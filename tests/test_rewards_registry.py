@@ -131,3 +131,22 @@ def test_heavy_modules_are_imported_lazily():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_reward_models_default_to_this_ranks_gpu(monkeypatch):
+    """Under torchrun / accelerate every rank builds its own reward model: on cuda:LOCAL_RANK, not all
+    on cuda:0 (the default device of every local-weights reward and GenEval's detector)."""
+    import inspect
+
+    import torch
+
+    from flowcredit.models.diffusers_common import default_device
+    from flowcredit.rewards import clip, hps, imagereward
+    from flowcredit.tasks.geneval import mask2former
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert default_device() == torch.device("cuda", 3)
+    for module in (clip, hps, imagereward, mask2former):
+        assert module.default_device is default_device
+        assert '"cuda" if torch.cuda.is_available()' not in inspect.getsource(module)

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flowcredit.models.diffusers_common import default_device
+
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -144,7 +146,7 @@ def load_clip(reward: str, model_dir, device: str | None, dtype: str) -> ClipBun
     path = _existing(reward, "model_dir", model_dir, want_dir=True)
     if dtype not in _DTYPES:
         raise ValueError(f"reward {reward!r}: option 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or str(default_device())  # cuda:LOCAL_RANK: one GPU per rank
     return _bundle(str(path.resolve()), reward, device, dtype)
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flowcredit.models.diffusers_common import default_device
 from flowcredit.rewards.clip import _DTYPES, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, _batched, _existing
 from flowcredit.rewards.open_clip_layout import (
     basic_clean,
@@ -163,7 +164,7 @@ def load_hps(checkpoint, model_name: str, bpe_path, device: str | None, dtype: s
     if dtype not in _DTYPES:
         raise ValueError(f"reward 'hps': option 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
     config = json.dumps(model_config(model_name), sort_keys=True)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or str(default_device())  # cuda:LOCAL_RANK: one GPU per rank
     return _bundle(str(path.resolve()), model_name, config, str(Path(bpe).resolve()), device, dtype)
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flowcredit.models.diffusers_common import default_device
 from flowcredit.rewards.clip import _DTYPES, _batched, _existing, preprocess
 
 NAME = "imagereward"
@@ -183,7 +184,7 @@ def imagereward(*, model_dir, device=None, dtype="float32", batch_size: int = 32
     path = _existing(NAME, "model_dir", model_dir, want_dir=True)
     if dtype not in _DTYPES:
         raise ValueError(f"reward {NAME!r}: option 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or str(default_device())  # cuda:LOCAL_RANK: one GPU per rank
     model, tokenizer, cfg = _loaded(str(path.resolve()), device, dtype)
     pre, run_dtype = image_config(cfg), _DTYPES[dtype]
     mean, std, max_length = float(cfg["mean"]), float(cfg["std"]), int(cfg["max_length"])

@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from flowcredit.errors import UserError
+from flowcredit.models.diffusers_common import default_device
 from flowcredit.rewards.clip import _DTYPES, _existing, load_clip, preprocess
 from flowcredit.tasks.geneval.metadata import COCO_CLASSES
 from flowcredit.tasks.geneval.rules import COLORS, ColorFn, Found, Scene
@@ -244,7 +245,7 @@ class Mask2FormerDetector:
             _existing(REWARD, "clip_dir", clip_dir, want_dir=True)
         except FileNotFoundError as exc:
             raise UserError(str(exc)) from None
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = device or str(default_device())  # cuda:LOCAL_RANK: one GPU per rank
         self.model = _load_model(path, self.device, _DTYPES[dtype])
         self.classes = _check_classes(self.model.config, path)
         self.clip = load_clip(REWARD, clip_dir, self.device, dtype)
