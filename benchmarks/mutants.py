@@ -10,7 +10,8 @@ which test killed it, or that it survived. The working tree itself is never edit
     .venv/bin/python benchmarks/mutants.py --only adv_sign_in_update,kl_sign
 
 Every test named here is part of ``make test``, so a mutant killed here is killed by ``make test``.
-Runs in about 8 minutes on a quiet 2-core machine (35 mutants).
+Runs in about 9 minutes on a quiet 2-core machine (43 mutants); `--only A,B --merge` reruns some
+and updates their rows of the report.
 """
 
 from __future__ import annotations
@@ -273,6 +274,52 @@ MUTANTS = [
         ("tests/test_reward_server_hostile.py::test_one_bad_request_costs_log_n_extra_reward_calls",),
         "a failing merged call is split one request at a time (n extra calls)",
     ),
+    Mutant(
+        "geneval_margin_sign", "geneval", "flowcredit/tasks/geneval/rules.py",
+        "shrunk = np.maximum(np.abs(offset) - margin * (size[0] + size[1]), 0) * np.sign(offset)",
+        "shrunk = np.maximum(np.abs(offset) + margin * (size[0] + size[1]), 0) * np.sign(offset)",
+        ("tests/test_geneval_rules.py",), "position margin grows the offset instead of shrinking it",
+    ),
+    Mutant(
+        "geneval_counting_threshold", "geneval", "flowcredit/tasks/geneval/rules.py",
+        'threshold = settings.counting_threshold if tag == "counting" else settings.threshold',
+        "threshold = settings.threshold",
+        ("tests/test_geneval_rules.py",), "counting prompts use 0.3 instead of GenEval's 0.9",
+    ),
+    Mutant(
+        "geneval_exclude_off_by_one", "geneval", "flowcredit/tasks/geneval/rules.py",
+        'float(n < int(req["count"]))', 'float(n <= int(req["count"]))',
+        ("tests/test_geneval_rules.py",), "an exclude fails at count − 1 objects",
+    ),
+    Mutant(
+        "geneval_failed_target", "geneval", "flowcredit/tasks/geneval/rules.py",
+        "groups.append(group if ok else None)", "groups.append(group)",
+        ("tests/test_geneval_rules.py",), "a target group that failed its own rules still anchors a position",
+    ),
+    Mutant(
+        "lora_compose_scale", "lora", "flowcredit/run/lora_compose.py",
+        "return weight + (scale * delta).to(weight.dtype)", "return weight + delta.to(weight.dtype)",
+        ("tests/test_lora_compose.py",), "the composed LoRA forgets its scale alpha / r",
+    ),
+    Mutant(
+        "one_step_sign", "values", "flowcredit/run/rollout.py",
+        "return x - sigma.to(x).view(-1, *([1] * (x.dim() - 1))) * v",
+        "return x + sigma.to(x).view(-1, *([1] * (x.dim() - 1))) * v",
+        ("tests/test_rollout.py::test_one_step_values_reuse_the_rollout_velocity",),
+        "one-step values from the rollout's velocity step the wrong way",
+    ),
+    Mutant(
+        "skill_paired_sign", "bench", "flowcredit/commands/bench_skill.py",
+        "values = [by_seed[s][key][part] - arms[baseline][s][key][part] for s in seeds]",
+        "values = [arms[baseline][s][key][part] - by_seed[s][key][part] for s in seeds]",
+        ("tests/test_bench_skill.py",), "the skill report's paired difference has its sign flipped",
+    ),
+    Mutant(
+        "skill_nfe_no_kl", "bench", "flowcredit/commands/bench_skill.py",
+        "update = int(trained.sum()) * cfg.inner_epochs * (2 if cfg.beta else 1)",
+        "update = int(trained.sum()) * cfg.inner_epochs",
+        ("tests/test_bench_skill.py",), "equal-NFE iterations forget the KL's reference forward",
+    ),
 ]  # fmt: skip
 
 
@@ -352,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"), help="report folder")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per test run")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated pass of the tests")
+    ap.add_argument("--merge", action="store_true", help="with --only: update these rows of the report")
     args = ap.parse_args(argv)
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only.split(",")]
     unknown = set(filter(None, args.only.split(","))) - {m.name for m in MUTANTS}
@@ -379,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not args.only:
         write_report(rows, Path(args.out))
+    elif args.merge:  # replace or add these rows, keep the others, in MUTANTS order
+        old = {r["name"]: r for r in json.loads((Path(args.out) / "mutants.json").read_text())}
+        old |= {r["name"]: r for r in rows}
+        write_report([old[m.name] for m in MUTANTS if m.name in old], Path(args.out))
     return 1 if survivors else 0
 
 
