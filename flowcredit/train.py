@@ -47,19 +47,8 @@ def grpo_iteration(s: Session, it: int) -> dict:
         cond = model.encode(batch.prompts)
     sde_gen = seeded(cfg.seed, it, 2)  # the same on every rank: rollout keeps this rank's rows
     with clock("rollout"):
-        ro = rollout(
-            model,
-            cond,
-            group,
-            batch.x0,
-            s.sigmas,
-            s.levels,
-            s.step_fn,
-            sde_gen,
-            *s.rollout_opts,
-            batch.rows,
-            keep_velocity=s.one_step_values,
-        )
+        rows, opts = batch.rows, s.rollout_opts
+        ro = rollout(model, cond, group, batch.x0, s.sigmas, s.levels, s.step_fn, sde_gen, rows=rows, **opts)
     score = ScoreFn(s.reward, cfg.reward, batch.prompts, batch.metas, group, cfg.skip_bad_rewards)
     with clock("values"), s.policy.merged():  # values never enter logp_old: merged weights are safe
         values, nfe_values = state_values(

@@ -95,7 +95,7 @@ def test_the_kl_term_pulls_the_policy_to_the_reference(beta, tmp_path):
     batch = s.draw(0)
     cond = s.model.encode(batch.prompts).detach()
     ro = rollout(
-        s.model, cond, batch.group, batch.x0, s.sigmas, s.levels, s.step_fn, seeded(0, 0, 2), *s.rollout_opts
+        s.model, cond, batch.group, batch.x0, s.sigmas, s.levels, s.step_fn, seeded(0, 0, 2), **s.rollout_opts
     )
     before = _velocity_gap(s, ro, cond, batch.group)
     assert before > 1e-4

@@ -189,6 +189,6 @@ def test_an_iteration_with_one_step_values_calls_no_model_for_them(tmp_path, one
     from flowcredit.train import grpo_iteration
 
     s = small_session("dense_grpo", tmp_path, estimator="euler", substeps=1, calibrate=False)
-    assert s.one_step_values
+    assert s.rollout_opts["keep_velocity"]
     m = grpo_iteration(s, 0)
     assert m["nfe/values"] == 0 and m["stats/first_ratio_maxdev"] == 0.0

@@ -75,16 +75,13 @@ class Session:
         return noise_levels(self.cfg, self.psi)[0]
 
     @property
-    def rollout_opts(self) -> tuple[str, int]:
-        """``(logp_mode, batch_size)`` of :func:`flowcredit.run.rollout.rollout`."""
-        return self.cfg.logp_mode, self.cfg.batch_size
-
-    @property
-    def one_step_values(self) -> bool:
-        """The method needs state values and they are one-step (``euler``, k = 1): the rollout keeps its
-        velocities and the values reuse them (no model call of their own)."""
+    def rollout_opts(self) -> dict:
+        """The keyword options of :func:`flowcredit.run.rollout.rollout`: ``logp_mode``, ``batch_size``,
+        and ``keep_velocity`` when the method's values are one-step (``euler``, k = 1), which then
+        reuse the rollout's velocities (no model call of their own)."""
         cfg = self.cfg
-        return self.credit.needs == "states" and cfg.estimator == "euler" and cfg.substeps == 1
+        one_step = self.credit.needs == "states" and cfg.estimator == "euler" and cfg.substeps == 1
+        return {"logp_mode": cfg.logp_mode, "batch_size": cfg.batch_size, "keep_velocity": one_step}
 
     @property
     def value_opts(self) -> tuple[str, torch.Tensor, str, int]:
