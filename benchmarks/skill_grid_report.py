@@ -30,12 +30,13 @@ def table(rep: dict) -> str:
         f"(per image: strict {base['strict']['per_image']:.3f}).",
         "",
     ]
-    lines += ["| arm | seeds | strict − base | soft − base |", "|---|---|---|---|"]
+    head = ["arm", "seeds", "strict − base", "soft − base", "strict per image", *CATEGORIES]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, a in rep["arms"].items():
-        ch = a["change_from_base"]
-        lines.append(
-            f"| {arm} | {','.join(map(str, a['seeds']))} | {_cell(ch['strict'])} | {_cell(ch['soft'])} |"
-        )
+        ch, parts = a["change_from_base"], a["change_by_part"]
+        row = [arm, ",".join(map(str, a["seeds"])), _cell(ch["strict"]), _cell(ch["soft"])]
+        row += [_cell(parts["strict/per_image"]), *(_cell(parts[f"strict/{c}"]) for c in CATEGORIES)]
+        lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Paired differences to Flow-GRPO (`skill`), same seeds", ""]
     head = ["arm", "seeds", "strict", "soft", "strict per image", *CATEGORIES]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

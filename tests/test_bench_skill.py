@@ -80,6 +80,7 @@ def test_paired_differences_and_verdicts_by_hand():
     sd = math.sqrt(((0.06 - 0.04) ** 2 + (0.02 - 0.04) ** 2) / 1)
     assert half == pytest.approx(12.7062 * sd / math.sqrt(2), rel=1e-4)  # t(0.975, 1) = 12.706
     assert rep["arms"]["skill"]["change_from_base"]["strict"][0] == pytest.approx(0.15)
+    assert rep["arms"]["skill"]["change_by_part"]["strict/counting"][0] == pytest.approx(0.15)
     claims = {c["arm"]: c for c in rep["claims"]}
     assert claims["skill-tp"]["verdict"] == "inconclusive at n=2"  # 0.04 ± 0.254 spans 0
     assert (

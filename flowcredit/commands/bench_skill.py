@@ -189,7 +189,11 @@ def skill_report(records: dict[str, dict], categories: dict[str, str], baseline:
     out = {"base": base, "arms": {}, "paired": {}, "claims": []}
     for arm, by_seed in sorted(arms.items()):
         change = {k: ci95([s[k]["overall"] - base[k]["overall"] for s in by_seed.values()]) for k in base}
+        parts = {
+            f"{k}/{p}": ci95([s[k][p] - base[k][p] for s in by_seed.values()]) for k in base for p in base[k]
+        }
         out["arms"][arm] = {"seeds": sorted(by_seed), "per_seed": by_seed, "change_from_base": change}
+        out["arms"][arm]["change_by_part"] = parts  # "strict/<category>", "soft/per_image", …
     for arm, by_seed in sorted(arms.items()):
         if arm == baseline or baseline not in arms:
             continue
