@@ -1,6 +1,7 @@
 """``flowcredit bench``: the quick comparison end to end, resumability, and its statistics."""
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -57,6 +58,23 @@ def test_changed_config_is_not_mixed_into_an_existing_bench(tmp_path):
     cell = bench.plan_cells(_args(), [])[0]
     with pytest.raises(ValueError, match="another config"):
         bench.run_cell(cell, 0, tmp_path / "runs")
+
+
+def test_a_grid_moved_to_another_directory_resumes(tmp_path):
+    """A parked run restored into another clone: its config.json names the old run_dir, nothing else
+    differs, and it has a checkpoint, so the bench resumes it (benchmarks/skill_grid_park.py)."""
+    cell = bench.plan_cells(_args(), [])[0]
+    runs = tmp_path / "moved" / "runs"
+    _, cfg, _ = bench.plan_run(cell, 0, runs)
+    run_dir = runs / "flow_grpo-seed0"
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "checkpoint" / "state.json").write_text("{}")
+    saved = dataclasses.asdict(cfg) | {"run_dir": "/elsewhere/runs/flow_grpo-seed0"}
+    (run_dir / "config.json").write_text(json.dumps(saved))
+    assert bench.plan_run(cell, 0, runs)[2] == "resume"
+    (run_dir / "config.json").write_text(json.dumps(saved | {"lr": 1.0}))  # a real difference still stops it
+    with pytest.raises(ValueError, match="another config"):
+        bench.plan_run(cell, 0, runs)
 
 
 def _args(**kw):

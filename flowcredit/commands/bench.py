@@ -176,7 +176,7 @@ def plan_run(cell: dict, seed: int, runs: Path) -> tuple[Path, Config, str]:
     extra = ["--seed", str(seed), "--run_dir", str(run_dir)]
     cfg = load_config(cell["preset"], None, [*cell["overrides"], *extra])
     saved = run_dir / "config.json"
-    if saved.exists() and json.loads(saved.read_text()) != dataclasses.asdict(cfg):
+    if saved.exists() and _settings(json.loads(saved.read_text())) != _settings(dataclasses.asdict(cfg)):
         raise UserError(f"{run_dir} was run with another config; use another --out or delete it")
     if _finished(run_dir, cfg):
         return run_dir, cfg, "done"
@@ -184,6 +184,11 @@ def plan_run(cell: dict, seed: int, runs: Path) -> tuple[Path, Config, str]:
 
     resume = run_dir.exists() and not cfg.max_minutes and find_checkpoint(run_dir) is not None
     return run_dir, cfg, "resume" if resume else "train"
+
+
+def _settings(config: dict) -> dict:
+    """A run's config without its location (a grid moved to another directory or clone still resumes)."""
+    return {k: v for k, v in config.items() if k != "run_dir"}
 
 
 def run_cell(cell: dict, seed: int, runs: Path) -> Path:
