@@ -104,3 +104,19 @@ def test_paired_differences_and_verdicts_by_hand():
 )
 def test_skill_verdicts(rule, mean, half, n, want):
     assert skill_verdict(rule, mean, half, n) == want
+
+
+def test_a_published_run_is_not_trained_again(tmp_path):
+    import json
+
+    from flowcredit.commands.bench import _published
+
+    args = argparse.Namespace(
+        presets="skill", task="skill", minutes=0, iterations=None, quick=False, ablations="tp"
+    )
+    cell = plan_cells(args, [])[0]
+    assert not _published(tmp_path, cell, 10)
+    (tmp_path / "skill-seed10.json").write_text(json.dumps({"summary": {"iterations": 200}, "heldout": {}}))
+    assert not _published(tmp_path, cell, 10)  # cut short: not the whole run
+    (tmp_path / "skill-seed10.json").write_text(json.dumps({"summary": {"iterations": 450}, "heldout": {}}))
+    assert _published(tmp_path, cell, 10)

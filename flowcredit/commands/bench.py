@@ -333,6 +333,19 @@ def _json_safe(obj):
     return obj
 
 
+def _published(dest: Path, cell: dict, seed: int) -> bool:
+    """``dest/<run>.json`` holds the whole run and its held-out evaluation: nothing to train again."""
+    path = dest / f"{cell['name']}-seed{seed}.json"
+    if not path.is_file():
+        return False
+    record = json.loads(path.read_text())
+    iterations = load_config(cell["preset"], None, cell["overrides"]).iterations
+    done = record.get("summary", {}).get("iterations", 0) >= iterations and "heldout" in record
+    if done:
+        print(f"bench: {path.stem}: published earlier in {dest}, not recomputed", flush=True)
+    return done
+
+
 def _after_run(args, cells: list[dict], out: Path):
     """What follows each finished run: the ``skill`` task's held-out evaluation (of the base checkpoint
     first, once), then ``--publish``. Returns ``run_dir -> run_dir``."""
@@ -380,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report_only or (out / "psi" / "psi.json").is_file():  # report: name the ψ that was used
         cells = shared_psi(cells, out)
     jobs = [(c, seed) for seed in seeds for c in cells]  # seed-major: early seeds of every cell first
+    if args.publish and not args.report_only:  # finished and published earlier (maybe in another clone)
+        jobs = [(c, seed) for c, seed in jobs if not _published(Path(args.publish), c, seed)]
     after = _after_run(args, cells, out)
     if args.report_only:
         done = {(c["name"], s): runs / f"{c['name']}-seed{s}" for c, s in jobs}
