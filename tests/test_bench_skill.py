@@ -109,7 +109,7 @@ def test_skill_verdicts(rule, mean, half, n, want):
 def test_a_published_run_is_not_trained_again(tmp_path):
     import json
 
-    from flowcredit.commands.bench import _published
+    from flowcredit.commands.bench_skill import published as _published
 
     args = argparse.Namespace(
         presets="skill", task="skill", minutes=0, iterations=None, quick=False, ablations="tp"

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from flowcredit.commands.bench_report import write_plots, write_table
-from flowcredit.commands.bench_skill import SKILL_ARMS, base_eval, final_eval, publish
+from flowcredit.commands.bench_skill import SKILL_ARMS, after_run, published
 from flowcredit.commands.bench_stats import report
 from flowcredit.config import Config, trained_window
 from flowcredit.errors import UserError
@@ -333,40 +333,6 @@ def _json_safe(obj):
     return obj
 
 
-def _published(dest: Path, cell: dict, seed: int) -> bool:
-    """``dest/<run>.json`` holds the whole run and its held-out evaluation: nothing to train again."""
-    path = dest / f"{cell['name']}-seed{seed}.json"
-    if not path.is_file():
-        return False
-    record = json.loads(path.read_text())
-    iterations = load_config(cell["preset"], None, cell["overrides"]).iterations
-    done = record.get("summary", {}).get("iterations", 0) >= iterations and "heldout" in record
-    if done:
-        print(f"bench: {path.stem}: published earlier in {dest}, not recomputed", flush=True)
-    return done
-
-
-def _after_run(args, cells: list[dict], out: Path):
-    """What follows each finished run: the ``skill`` task's held-out evaluation (of the base checkpoint
-    first, once), then ``--publish``. Returns ``run_dir -> run_dir``."""
-    publish_to = Path(args.publish) if args.publish else None
-    if args.task == "skill" and not args.report_only:
-        cfg = load_config(cells[0]["preset"], None, cells[0]["overrides"])
-        base = base_eval(cfg, out / "base-heldout", cfg.threads, args.quick).parent
-        if publish_to:
-            publish(base, publish_to)
-
-    def after(run_dir: Path) -> Path:
-        if args.task == "skill":
-            threads = json.loads((run_dir / "config.json").read_text())["threads"]
-            final_eval(run_dir, threads, args.quick)
-        if publish_to:
-            publish(run_dir, publish_to)
-        return run_dir
-
-    return after
-
-
 def _warm_imports() -> None:
     """Import what every run imports, so that the first cell's set-up time is not charged for it."""
     import importlib
@@ -394,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = shared_psi(cells, out)
     jobs = [(c, seed) for seed in seeds for c in cells]  # seed-major: early seeds of every cell first
     if args.publish and not args.report_only:  # finished and published earlier (maybe in another clone)
-        jobs = [(c, seed) for c, seed in jobs if not _published(Path(args.publish), c, seed)]
-    after = _after_run(args, cells, out)
+        jobs = [(c, seed) for c, seed in jobs if not published(Path(args.publish), c, seed)]
+    after = after_run(args, cells, out)
     if args.report_only:
         done = {(c["name"], s): runs / f"{c['name']}-seed{s}" for c, s in jobs}
         done = {k: d for k, d in done.items() if (d / "summary.json").is_file()}

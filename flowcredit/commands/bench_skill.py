@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from flowcredit.config import Config
+from flowcredit.presets import load_config
 
 FINAL_EVAL_SEEDS = (7001, 7002)
 """Noise seeds of the final held-out evaluation, used for nothing else."""
@@ -118,6 +119,43 @@ def publish(run_dir: Path, dest: Path) -> Path:
     target = dest / f"{run_dir.name}.json"
     target.write_text(json.dumps(record) + "\n")
     return target
+
+
+# --- what the bench does around each run ---------------------------------------------------------
+
+
+def published(dest: Path, cell: dict, seed: int) -> bool:
+    """``dest/<run>.json`` holds the whole run and its held-out evaluation: nothing to train again."""
+    path = dest / f"{cell['name']}-seed{seed}.json"
+    if not path.is_file():
+        return False
+    record = json.loads(path.read_text())
+    iterations = load_config(cell["preset"], None, cell["overrides"]).iterations
+    done = record.get("summary", {}).get("iterations", 0) >= iterations and "heldout" in record
+    if done:
+        print(f"bench: {path.stem}: published earlier in {dest}, not recomputed", flush=True)
+    return done
+
+
+def after_run(args, cells: list[dict], out: Path):
+    """What follows each finished run: the ``skill`` task's held-out evaluation (of the base checkpoint
+    first, once), then ``--publish``. Returns ``run_dir -> run_dir``."""
+    publish_to = Path(args.publish) if args.publish else None
+    if args.task == "skill" and not args.report_only:
+        cfg = load_config(cells[0]["preset"], None, cells[0]["overrides"])
+        base = base_eval(cfg, out / "base-heldout", cfg.threads, args.quick).parent
+        if publish_to:
+            publish(base, publish_to)
+
+    def after(run_dir: Path) -> Path:
+        if args.task == "skill":
+            threads = json.loads((run_dir / "config.json").read_text())["threads"]
+            final_eval(run_dir, threads, args.quick)
+        if publish_to:
+            publish(run_dir, publish_to)
+        return run_dir
+
+    return after
 
 
 # --- the report: held-out scores of the published runs, paired differences, verdicts ---------------
