@@ -120,3 +120,23 @@ def test_a_published_run_is_not_trained_again(tmp_path):
     assert not _published(tmp_path, cell, 10)  # cut short: not the whole run
     (tmp_path / "skill-seed10.json").write_text(json.dumps({"summary": {"iterations": 450}, "heldout": {}}))
     assert _published(tmp_path, cell, 10)
+
+
+def test_a_published_base_evaluation_is_not_recomputed(tmp_path):
+    import json
+
+    from flowcredit.commands.bench_skill import FINAL_EVAL_SAMPLES, FINAL_EVAL_SEEDS, base_published
+    from flowcredit.tasks.prompt_sets import read_prompts
+
+    assert not base_published(None, quick=False)
+    assert not base_published(tmp_path, quick=False)
+    whole = {"seeds": list(FINAL_EVAL_SEEDS), "sample_prompts": ["p"] * (86 * FINAL_EVAL_SAMPLES)}
+    assert len(read_prompts("test")) == 86
+    (tmp_path / "base-heldout.json").write_text(json.dumps({"heldout": whole}))
+    assert base_published(tmp_path, quick=False)
+    assert not base_published(tmp_path, quick=True)  # --quick evaluates its own small base
+    (tmp_path / "base-heldout.json").write_text(json.dumps({"heldout": {**whole, "seeds": [7001]}}))
+    assert not base_published(tmp_path, quick=False)
+    cut = {**whole, "sample_prompts": ["p"] * (4 * FINAL_EVAL_SAMPLES)}  # --max-prompts 4
+    (tmp_path / "base-heldout.json").write_text(json.dumps({"heldout": cut}))
+    assert not base_published(tmp_path, quick=False)

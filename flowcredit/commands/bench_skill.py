@@ -137,11 +137,28 @@ def published(dest: Path, cell: dict, seed: int) -> bool:
     return done
 
 
+def base_published(dest: Path | None, quick: bool) -> bool:
+    """``dest/base-heldout.json`` holds the base checkpoint's whole final evaluation (not ``--quick``'s)."""
+    path = dest / "base-heldout.json" if dest else None
+    if quick or path is None or not path.is_file():
+        return False
+    from flowcredit.tasks.prompt_sets import read_prompts
+
+    heldout = json.loads(path.read_text()).get("heldout", {})
+    samples = len(read_prompts("test")) * FINAL_EVAL_SAMPLES
+    whole = (
+        heldout.get("seeds") == list(FINAL_EVAL_SEEDS) and len(heldout.get("sample_prompts", ())) == samples
+    )
+    if whole:
+        print(f"bench: base-heldout: published earlier in {dest}, not recomputed", flush=True)
+    return whole
+
+
 def after_run(args, cells: list[dict], out: Path):
     """What follows each finished run: the ``skill`` task's held-out evaluation (of the base checkpoint
     first, once), then ``--publish``. Returns ``run_dir -> run_dir``."""
     publish_to = Path(args.publish) if args.publish else None
-    if args.task == "skill" and not args.report_only:
+    if args.task == "skill" and not args.report_only and not base_published(publish_to, args.quick):
         cfg = load_config(cells[0]["preset"], None, cells[0]["overrides"])
         base = base_eval(cfg, out / "base-heldout", cfg.threads, args.quick).parent
         if publish_to:
