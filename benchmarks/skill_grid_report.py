@@ -2,7 +2,8 @@
 --publish DIR``): ``DIR/../results.json`` and ``DIR/../table.md`` — held-out scores (86 prompts × 16
 samples × noise seeds 7001/7002) of the base checkpoint and of every finished run, each arm's change
 from the base, paired differences to the Flow-GRPO arm (``skill``) with 95 % t-intervals over the
-seeds both ran, and a verdict per paper claim (flowcredit/commands/bench_skill.py).
+seeds both ran, and a verdict per paper claim (flowcredit/commands/bench_skill.py); ``DIR/../compare.png``
+shows the same per category, every seed a dot.
 
     .venv/bin/python benchmarks/skill_grid_report.py benchmarks/results/skill_compare
 """
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 
 from flowcredit.commands.bench_skill import skill_report
+from flowcredit.commands.bench_stats import ci95
 from flowcredit.tasks.shapes import CATEGORIES, load_prompts
 
 
@@ -51,6 +53,57 @@ def table(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+PARTS = ("overall", "per_image", *CATEGORIES)
+
+
+def _bars(ax, title: str, rows: dict[str, list[list[float]]]) -> None:
+    """Grouped bars: ``rows[label][part]`` holds one value per seed (mean bar, seed dots, 95 % whisker)."""
+    width = 0.8 / max(len(rows), 1)
+    for i, (label, per_part) in enumerate(rows.items()):
+        xs = [j + (i - (len(rows) - 1) / 2) * width for j in range(len(PARTS))]
+        means = [sum(v) / len(v) for v in per_part]
+        colour = ax.bar(xs, means, width * 0.9, label=f"{label} (n={len(per_part[0])})", alpha=0.6)
+        for x, values in zip(xs, per_part):
+            ax.scatter([x] * len(values), values, s=8, color=colour.patches[0].get_facecolor(), edgecolor="k")
+            if len(values) >= 2:
+                ax.errorbar(x, sum(values) / len(values), yerr=ci95(values)[1], color="k", lw=0.8, capsize=2)
+    ax.axhline(0, color="k", lw=0.6)
+    ax.set_xticks(range(len(PARTS)), PARTS, rotation=30, ha="right")
+    ax.set_title(title, fontsize=10)
+    if rows:
+        ax.legend(fontsize=7)
+
+
+def figure(rep: dict, path: Path) -> Path:
+    """Held-out strict per category: each arm's change from the base (left) and its paired difference to
+    Flow-GRPO (right); bars are seed means, dots single seeds, whiskers 95 % t-intervals (n ≥ 2)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def strict(arm: str, seed: int, part: str) -> float:
+        return rep["arms"][arm]["per_seed"][seed]["strict"][part]
+
+    base = rep["base"]["strict"]
+    change = {
+        arm: [[strict(arm, s, p) - base[p] for s in a["seeds"]] for p in PARTS]
+        for arm, a in rep["arms"].items()
+    }
+    paired = {
+        arm: [[strict(arm, s, p) - strict("skill", s, p) for s in a["seeds"]] for p in PARTS]
+        for arm, a in rep["paired"].items()
+    }
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), sharey=True)
+    _bars(axes[0], "change from the base checkpoint", change)
+    _bars(axes[1], "paired difference to Flow-GRPO (skill), same seeds", paired)
+    axes[0].set_ylabel("held-out strict (86 prompts × 16 × 2 noise seeds)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", help="the directory holding runs/ (published JSON)")
@@ -61,6 +114,7 @@ def main() -> None:
     rep = skill_report(records, categories)
     (out / "results.json").write_text(json.dumps(rep, indent=1) + "\n")
     (out / "table.md").write_text(table(rep))
+    figure(rep, out / "compare.png")
     print(table(rep))
 
 

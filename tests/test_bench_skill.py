@@ -140,3 +140,32 @@ def test_a_published_base_evaluation_is_not_recomputed(tmp_path):
     cut = {**whole, "sample_prompts": ["p"] * (4 * FINAL_EVAL_SAMPLES)}  # --max-prompts 4
     (tmp_path / "base-heldout.json").write_text(json.dumps({"heldout": cut}))
     assert not base_published(tmp_path, quick=False)
+
+
+def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+
+    script = Path(__file__).parents[1] / "benchmarks" / "skill_grid_report.py"
+    spec = importlib.util.spec_from_file_location("skill_grid_report", script)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    records = {"base-heldout": _record(0.2), "skill-seed10": _record(0.3), "skill-tp-seed10": _record(0.36)}
+    (tmp_path / "runs").mkdir()
+    for name, rec in records.items():
+        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(rec))
+    monkeypatch.setattr(
+        report, "load_prompts", lambda split: [{"prompt": p, "category": c} for p, c in CATS.items()]
+    )
+    monkeypatch.setattr(report, "CATEGORIES", ("colors", "counting"))
+    monkeypatch.setattr(report, "PARTS", ("overall", "per_image", "colors", "counting"))
+    monkeypatch.setattr(sys, "argv", ["skill_grid_report.py", str(tmp_path)])
+    report.main()
+    rep = json.loads((tmp_path / "results.json").read_text())
+    assert rep["paired"]["skill-tp"]["diff"]["strict/overall"][0] == pytest.approx(0.06)
+    assert "| skill-tp | 10 | +0.060 (one seed)" in (tmp_path / "table.md").read_text()
+    assert Image.open(tmp_path / "compare.png").size[0] > 500
