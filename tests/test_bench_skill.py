@@ -169,3 +169,24 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
     assert rep["paired"]["skill-tp"]["diff"]["strict/overall"][0] == pytest.approx(0.06)
     assert "| skill-tp | 10 | +0.060 (one seed)" in (tmp_path / "table.md").read_text()
     assert Image.open(tmp_path / "compare.png").size[0] > 500
+
+
+def test_the_base_evaluation_runs_on_the_grids_device(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from flowcredit.commands import bench_skill
+
+    calls = []
+
+    def fake_call(argv, **kw):
+        calls.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "eval.json").write_text("{}")
+        return 0
+
+    monkeypatch.setattr(bench_skill.subprocess, "call", fake_call)
+    cfg = load_config("skill", None, ["--device", "cuda:0"])
+    assert bench_skill.base_eval(cfg, tmp_path / "base", threads=1) == tmp_path / "base" / "eval.json"
+    argv = calls[0]
+    assert argv[argv.index("--device") + 1] == "cuda:0" and argv[argv.index("--seeds") + 1] == "7001,7002"

@@ -43,7 +43,9 @@ def trained_run(pipes, kind, run_dir):
 
 
 def cli_args(**kw) -> argparse.Namespace:
-    base = dict(config=None, model=None, checkpoint=None, resolution=None, frames=None, dtype=None)
+    base = dict(
+        config=None, model=None, checkpoint=None, resolution=None, frames=None, dtype=None, device=None
+    )
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -129,3 +131,15 @@ def test_a_run_dir_without_a_checkpoint_says_so(tmp_path, capsys):
     (run / "config.json").write_text("{}")
     assert _train_cli(run) == 2
     assert "holds no checkpoint" in capsys.readouterr().err
+
+
+def test_device_flag_sets_the_device_and_names_a_bad_one(tmp_path):
+    from flowcredit.errors import UserError
+
+    run = tmp_path / "config.json"
+    run.write_text(json.dumps({"device": "cuda:1"}))
+    assert eval_cmd.config_from_args(cli_args())[0].device == "cpu"
+    assert eval_cmd.config_from_args(cli_args(config=str(run)))[0].device == "cuda:1"  # the run's
+    assert eval_cmd.config_from_args(cli_args(config=str(run), device="cpu"))[0].device == "cpu"
+    with pytest.raises(UserError, match="device"):
+        eval_cmd.config_from_args(cli_args(device="tpu"))

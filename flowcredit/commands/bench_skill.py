@@ -85,7 +85,8 @@ def final_eval(run_dir: Path, threads: int, quick: bool = False) -> Path:
 
 def base_eval(cfg: Config, out: Path, threads: int, quick: bool = False) -> Path:
     """The base checkpoint of ``cfg`` evaluated as :func:`final_eval` (``out/eval.json``)."""
-    return _evaluate(["--model", cfg.model, "--checkpoint", cfg.checkpoint], out, threads, quick)
+    which = ["--model", cfg.model, "--checkpoint", cfg.checkpoint, "--device", cfg.device]
+    return _evaluate(which, out, threads, quick)
 
 
 def _evaluate(which: list[str], out: Path, threads: int, quick: bool) -> Path:

@@ -50,6 +50,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resolution", type=int, default=None, help="image size of diffusers models (0: default)")
     p.add_argument("--frames", type=int, default=None, help="frames of a video model's clip (0: default)")
     p.add_argument("--dtype", default=None, help="weights dtype of diffusers models (default auto)")
+    p.add_argument("--device", default=None, help="cpu (default) or cuda[:k]; with --config: the run's")
     p.add_argument("--steps", type=int, default=None, help="ODE steps (default: the checkpoint's)")
     p.add_argument("--cfg", type=float, default=None, help="guidance scale (default: the checkpoint's)")
     p.add_argument("--shift", type=float, default=None, help="schedule shift (default: the checkpoint's)")
@@ -89,7 +90,7 @@ def config_from_args(args) -> tuple[Config, Path | None]:
         cfg = from_dict(data)
     checkpoint = None if final is not None else args.checkpoint  # a run's final/: its base is in the config
     flags = {"model": args.model, "checkpoint": checkpoint, "resolution": args.resolution}
-    flags |= {"dtype": args.dtype, "num_frames": args.frames}
+    flags |= {"dtype": args.dtype, "num_frames": args.frames, "device": args.device}
     for key, value in flags.items():
         if value is not None:
             setattr(cfg, key, value)
