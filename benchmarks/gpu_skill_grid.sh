@@ -7,8 +7,9 @@
 #    compare task, NEW seeds 16–31; the bench's paired row tp_grpo − flow_grpo is the confirmation;
 # 3. the skill comparison (flowcredit bench --task skill): the preset and its five arms over
 #    SKILL_SEEDS (default 10..17), each finished run evaluated on the held-out prompts (86 × 16 × noise
-#    seeds 7001/7002, on CUDA like the base checkpoint) and published as small JSON into $OUT/skill/runs (GPU runs: never mix them with
-#    the CPU runs of benchmarks/results/skill_compare; put them in benchmarks/results/skill_compare_gpu).
+#    seeds 7001/7002, on CUDA like the base checkpoint) and published as small JSON into
+#    $OUT/skill/runs (GPU runs: never mix them with the CPU runs of benchmarks/results/skill_compare;
+#    put them in benchmarks/results/skill_compare_gpu).
 # Every 20 s the small files go to $OUT/runs.tgz, so a run cut off by the time limit still returns what
 # finished. Prepared on 2026-12-02 without a GPU: bash -n checked, never run.
 set -o pipefail
