@@ -24,6 +24,24 @@ def _cell(mean_half) -> str:
     return f"{mean:+.3f}" + (f" ± {half:.3f}" if half == half else " (one seed)")
 
 
+def progress(out: Path) -> list[str]:
+    """How far the grid got: the finished runs (``runs/``) and the parked ones (``inflight/``, with the
+    iteration of their checkpoint)."""
+    done = [f.stem for f in sorted((out / "runs").glob("*-seed*.json"))]
+    parked = []
+    for run in sorted(p for p in (out / "inflight").glob("*") if p.is_dir() and not p.name.startswith(".")):
+        at = json.loads((run / "checkpoint" / "state.json").read_text())["iteration"]
+        total = json.loads((run / "config.json").read_text())["iterations"]
+        parked.append(f"{run.name} (checkpoint at iteration {at} of {total})")
+    return [
+        "## Progress",
+        "",
+        f"Finished and evaluated: {', '.join(done) or 'none'}.",
+        f"Parked, resumable (docs/benchmarks.md): {', '.join(parked) or 'none'}.",
+        "",
+    ]
+
+
 def table(rep: dict) -> str:
     lines = ["# The skill comparison (held-out, 86 prompts × 16 samples × noise seeds 7001, 7002)", ""]
     base = rep["base"]
@@ -113,9 +131,9 @@ def main() -> None:
     categories = {m["prompt"]: m["category"] for m in load_prompts("test")}
     rep = skill_report(records, categories)
     (out / "results.json").write_text(json.dumps(rep, indent=1) + "\n")
-    (out / "table.md").write_text(table(rep))
+    (out / "table.md").write_text(table(rep) + "\n" + "\n".join(progress(out)))
     figure(rep, out / "compare.png")
-    print(table(rep))
+    print((out / "table.md").read_text())
 
 
 if __name__ == "__main__":
