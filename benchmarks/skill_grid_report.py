@@ -28,8 +28,10 @@ def progress(out: Path) -> list[str]:
     """How far the grid got: the finished runs (``runs/``) and the parked ones (``inflight/``, with the
     iteration of their checkpoint)."""
     done = [f.stem for f in sorted((out / "runs").glob("*-seed*.json"))]
-    parked = []
+    parked = []  # a parked copy of a run that has finished since is stale: the finished result counts
     for run in sorted(p for p in (out / "inflight").glob("*") if p.is_dir() and not p.name.startswith(".")):
+        if run.name in done:
+            continue
         at = json.loads((run / "checkpoint" / "state.json").read_text())["iteration"]
         total = json.loads((run / "config.json").read_text())["iterations"]
         parked.append(f"{run.name} (checkpoint at iteration {at} of {total})")

@@ -167,13 +167,20 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
     (parked / "checkpoint").mkdir(parents=True)
     (parked / "checkpoint" / "state.json").write_text(json.dumps({"iteration": 12}))
     (parked / "config.json").write_text(json.dumps({"iterations": 450}))
+    stale = tmp_path / "inflight" / "skill-tp-seed10"  # parked once, finished since: not "parked"
+    (stale / "checkpoint").mkdir(parents=True)
+    (stale / "checkpoint" / "state.json").write_text(json.dumps({"iteration": 191}))
+    (stale / "config.json").write_text(json.dumps({"iterations": 450}))
     monkeypatch.setattr(sys, "argv", ["skill_grid_report.py", str(tmp_path)])
     report.main()
     rep = json.loads((tmp_path / "results.json").read_text())
     assert rep["paired"]["skill-tp"]["diff"]["strict/overall"][0] == pytest.approx(0.06)
     assert "| skill-tp | 10 | +0.060 (one seed)" in (tmp_path / "table.md").read_text()
     assert "Finished and evaluated: skill-seed10, skill-tp-seed10." in (tmp_path / "table.md").read_text()
-    assert "skill-tp-seed11 (checkpoint at iteration 12 of 450)" in (tmp_path / "table.md").read_text()
+    assert (
+        "resumable (docs/benchmarks.md): skill-tp-seed11 (checkpoint at iteration 12 of 450)."
+        in (tmp_path / "table.md").read_text()
+    )
     assert Image.open(tmp_path / "compare.png").size[0] > 500
 
 
