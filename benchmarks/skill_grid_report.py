@@ -3,7 +3,8 @@
 samples × noise seeds 7001/7002) of the base checkpoint and of every finished run, each arm's change
 from the base, paired differences to the Flow-GRPO arm (``skill``) with 95 % t-intervals over the
 seeds both ran, and a verdict per paper claim (flowcredit/commands/bench_skill.py); ``DIR/../compare.png``
-shows the same per category, every seed a dot.
+shows the same per category, every seed a dot, and ``DIR/../curves.png`` the training reward per arm
+against iterations and against network calls spent.
 
     .venv/bin/python benchmarks/skill_grid_report.py benchmarks/results/skill_compare
 """
@@ -124,6 +125,49 @@ def figure(rep: dict, path: Path) -> Path:
     return path
 
 
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` iterations (the training reward is one noisy batch each)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def curves(records: dict[str, dict], path: Path, window: int = 25) -> Path:
+    """Training reward (trailing mean over ``window`` iterations) per arm against the iteration (left) and
+    against the network calls spent (right: "at equal compute"); thin lines are seeds, thick the mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms: dict[str, list[dict]] = {}
+    for name, rec in records.items():
+        if "curve" in rec and "-seed" in name:
+            arms.setdefault(name.rsplit("-seed", 1)[0], []).append(rec["curve"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True)
+    for color, (arm, runs) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], sorted(arms.items())):
+        n = min(len(c["reward"]) for c in runs)
+        smooth = [_smooth(c["reward"][:n], window) for c in runs]
+        mean = [sum(col) / len(col) for col in zip(*smooth)]
+        for ax, key, scale in ((axes[0], "iteration", 1), (axes[1], "nfe", 1e6)):
+            for c, ys in zip(runs, smooth):
+                ax.plot([x / scale for x in c[key][:n]], ys, color=color, lw=0.6, alpha=0.35)
+            xs = [sum(c[key][i] for c in runs) / len(runs) / scale for i in range(n)]
+            ax.plot(xs, mean, color=color, lw=2, label=f"{arm} (n={len(runs)})")
+    axes[0].set_xlabel("iteration")
+    axes[1].set_xlabel("network calls spent (millions; rollout + update + values)")
+    axes[0].set_ylabel(f"training reward (trailing mean, {window} it.)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", help="the directory holding runs/ (published JSON)")
@@ -135,6 +179,7 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps(rep, indent=1) + "\n")
     (out / "table.md").write_text(table(rep) + "\n" + "\n".join(progress(out)))
     figure(rep, out / "compare.png")
+    curves(records, out / "curves.png")
     print((out / "table.md").read_text())
 
 

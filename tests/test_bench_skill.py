@@ -155,6 +155,7 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
     records = {"base-heldout": _record(0.2), "skill-seed10": _record(0.3), "skill-tp-seed10": _record(0.36)}
+    records["skill-seed10"]["curve"] = {"iteration": [1, 2], "reward": [0.2, 0.4], "nfe": [960, 1920]}
     (tmp_path / "runs").mkdir()
     for name, rec in records.items():
         (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(rec))
@@ -182,6 +183,28 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
         in (tmp_path / "table.md").read_text()
     )
     assert Image.open(tmp_path / "compare.png").size[0] > 500
+    assert Image.open(tmp_path / "curves.png").size[0] > 500
+    assert report._smooth([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_a_published_run_carries_its_training_curve(tmp_path):
+    import json
+
+    from flowcredit.commands.bench_skill import publish
+
+    run = tmp_path / "skill-seed10"
+    (run / "heldout").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"seed": 10}))
+    (run / "heldout" / "eval.json").write_text(json.dumps({"tables": {}}))
+    rows = [
+        {"iteration": 0, "eval/test/soft": 0.5},  # an evaluation row: not a training step
+        {"iteration": 1, "reward/mean": 0.25, "nfe/rollout": 960, "nfe/train": 960, "nfe/values": 0},
+        {"iteration": 2, "reward/mean": 0.75, "nfe/rollout": 960, "nfe/train": 480, "nfe/values": 100},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record = json.loads(publish(run, tmp_path / "pub").read_text())
+    assert record["curve"] == {"iteration": [1, 2], "reward": [0.25, 0.75], "nfe": [1920, 3460]}
+    assert record["config"] == {"seed": 10} and record["heldout"] == {"tables": {}}
 
 
 def test_the_base_evaluation_runs_on_the_grids_device(tmp_path, monkeypatch):

@@ -107,8 +107,24 @@ def _evaluate(which: list[str], out: Path, threads: int, quick: bool) -> Path:
     return path
 
 
+def training_curve(rows: list[dict]) -> dict[str, list[float]]:
+    """The training reward per iteration and the network calls spent up to it, from ``metrics.jsonl``'s
+    rows: ``{"iteration": [...], "reward": [...], "nfe": [...]}`` (``nfe``: cumulative rollout +
+    update + value calls, so arms can be set side by side at equal compute)."""
+    train = [r for r in rows if "reward/mean" in r]
+    nfe, total = [], 0
+    for r in train:
+        total += r["nfe/rollout"] + r["nfe/train"] + r["nfe/values"]
+        nfe.append(total)
+    iterations, rewards = [r["iteration"] for r in train], [r["reward/mean"] for r in train]
+    return {"iteration": iterations, "reward": rewards, "nfe": nfe}
+
+
 def publish(run_dir: Path, dest: Path) -> Path:
-    """Copy the run's small results (config, summary, held-out per-sample scores) to ``dest/<run>.json``."""
+    """Copy the run's small results (config, summary, held-out per-sample scores, training curve) to
+    ``dest/<run>.json``."""
+    from flowcredit.run.runlog import read_metrics
+
     record = {"run": run_dir.name}
     files = {"config": "config.json", "summary": "summary.json", "heldout": "heldout/eval.json"}
     if not (run_dir / "config.json").is_file():  # the base checkpoint's evaluation directory
@@ -116,6 +132,8 @@ def publish(run_dir: Path, dest: Path) -> Path:
     for name, path in files.items():
         if (run_dir / path).is_file():
             record[name] = json.loads((run_dir / path).read_text())
+    if rows := read_metrics(run_dir):
+        record["curve"] = training_curve(rows)
     dest.mkdir(parents=True, exist_ok=True)
     target = dest / f"{run_dir.name}.json"
     target.write_text(json.dumps(record) + "\n")
