@@ -68,6 +68,11 @@ def table(rep: dict) -> str:
         cats = [_cell(d[f"strict/{c}"]) for c in CATEGORIES]
         row = [arm, ",".join(map(str, p["seeds"])), _cell(d["strict/overall"]), _cell(d["soft/overall"])]
         lines.append("| " + " | ".join([*row, _cell(d["strict/per_image"]), *cats]) + " |")
+    lines += ["", "## Verdicts against Flow-GRPO (rule and margin fixed 2026-12-04, docs/benchmarks.md)", ""]
+    lines += ["| arm | n | held-out strict (primary) | strict per image |", "|---|---|---|---|"]
+    for arm, p in rep["paired"].items():
+        v = p["verdict"]
+        lines.append(f"| {arm} | {len(p['seeds'])} | {v['strict/overall']} | {v['strict/per_image']} |")
     lines += ["", "## Claims", "", "| claim | arm | n | verdict |", "|---|---|---|---|"]
     for c in rep["claims"]:
         lines.append(f"| {c['claim']} | {c['arm']} | {c['n']} | {c['verdict']} |")

@@ -226,3 +226,31 @@ def test_the_base_evaluation_runs_on_the_grids_device(tmp_path, monkeypatch):
     assert bench_skill.base_eval(cfg, tmp_path / "base", threads=1) == tmp_path / "base" / "eval.json"
     argv = calls[0]
     assert argv[argv.index("--device") + 1] == "cuda:0" and argv[argv.index("--seeds") + 1] == "7001,7002"
+
+
+@pytest.mark.parametrize(
+    "diffs, want",
+    [
+        ([0.03, 0.04, 0.05, 0.04], "better"),  # 95 % interval above 0
+        ([-0.03, -0.04, -0.05, -0.04], "worse"),
+        # mean 0, sd 0.01: 90 % half-width 2.353 · 0.005 = 0.0118 < 0.02, 95 % spans 0
+        ([0.01, -0.01, 0.01, -0.01], "equivalent"),
+        ([0.03, -0.03, 0.03, -0.03], "inconclusive at n=4"),  # 90 % half-width 0.035 > 0.02
+        ([0.5], "inconclusive at n=1"),
+    ],
+)
+def test_arm_verdicts_by_hand(diffs, want):
+    from flowcredit.commands.bench_skill import arm_verdict
+
+    assert arm_verdict(diffs) == want
+
+
+def test_equivalence_uses_the_90_percent_interval():
+    """sd 0.0152 over 4 seeds (se 0.0076): the 90 % half-width (2.353 · 0.0076 = 0.0179) fits ±0.02
+    around 0.0005, the 95 % one (3.182 · 0.0076 = 0.0242) would not."""
+    from flowcredit.commands.bench_skill import arm_verdict
+
+    diffs = [0.0005 + d for d in (0.0186, -0.0186, 0.0, 0.0)]
+    sd = math.sqrt(2 * 0.0186**2 / 3)
+    assert 2.3534 * sd / 2 < 0.02 - 0.0005 < 3.1825 * sd / 2
+    assert arm_verdict(diffs) == "equivalent"

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from flowcredit.commands.bench_report import write_plots, write_table
-from flowcredit.commands.bench_skill import SKILL_ARMS, after_run, published
+from flowcredit.commands.bench_skill import SKILL_ARMS, after_run, published, relative_paths
 from flowcredit.commands.bench_stats import report
 from flowcredit.config import Config, trained_window
 from flowcredit.errors import UserError
@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         "variants": rep["variants"],
     }
     data |= {"claims": rep["claims"], "runs": results}
-    (out / "results.json").write_text(json.dumps(_json_safe(data), indent=1) + "\n")
+    data = relative_paths(relative_paths(_json_safe(data), out / "runs"), Path.cwd())  # read elsewhere too
+    (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
     write_table(out, rows, settings, results)
     write_plots(out, cells, results, rows)
     print((out / "table.md").read_text())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -62,16 +63,23 @@ def _equal_nfe(preset: Config, change: list[str]) -> list[str]:
 
 
 TP = ["--credit", "turning_point"]
+DENSE = ["--credit", "dense", "--sampler", "dance_sde", "--calibrate", "true"]
+STEPWISE = ["--credit", "stepwise", "--credit_options", '{"center": false}', "--estimator", "euler"]
 SKILL_ARMS = {
     "tp": TP,
     "tp_equal_nfe": lambda cfg: _equal_nfe(cfg, TP),
-    "dense_euler1": ["--credit", "dense", "--estimator", "euler", "--substeps", "1"],
-    "stepwise": ["--credit", "stepwise", "--credit_options", '{"center": false}', "--estimator", "euler"],
-    "dense": ["--credit", "dense"],
+    "dense_euler1": [*DENSE, "--estimator", "euler", "--substeps", "1"],
+    "stepwise": [*STEPWISE, "--sampler", "ddim_sde"],
+    "stepwise_cps": STEPWISE,
+    "dense": DENSE,
 }
-"""The arms beside the preset (Flow-GRPO credit): TP-GRPO credit at the same iterations and at the
-preset's NFE, DenseGRPO with one-step values, Stepwise (euler(5) values, joint normalisation) and
-DenseGRPO with ODE-completed values; each is the preset with only these fields changed."""
+"""The arms beside the preset (Flow-GRPO credit, CPS): TP-GRPO credit at the same iterations and at
+the preset's NFE; DenseGRPO as its paper prescribes (Dance-SDE with ψ calibrated per run on the
+frozen base, then dense gains) with one-step values from the rollout's own velocities
+(``dense_euler1``) and with ODE-completed values (``dense``); Stepwise-Flow-GRPO with its own DDIM-like
+SDE (a = 0.7), euler(5) values and the joint normalisation that keeps the gains' signs
+(``stepwise``), and the same credit on the preset's CPS (``stepwise_cps``: isolates the credit rule).
+Every other field is the preset's (SDE window: steps 0–4)."""
 
 
 QUICK_EVAL = ["--max-prompts", "4", "--samples-per-prompt", "2"]
@@ -120,6 +128,21 @@ def training_curve(rows: list[dict]) -> dict[str, list[float]]:
     return {"iteration": iterations, "reward": rewards, "nfe": nfe}
 
 
+def relative_paths(value, root: Path):
+    """``value`` (JSON) with every string that names a path under ``root`` made relative to it (a
+    published run is read on other machines: ``/x/runs/skill-seed11/final`` → ``skill-seed11/final``)."""
+    if isinstance(value, dict):
+        return {k: relative_paths(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [relative_paths(v, root) for v in value]
+    if isinstance(value, str) and Path(value).is_absolute():
+        path = Path(value)
+        if path.is_relative_to(root.resolve()) or path.is_relative_to(root.absolute()):
+            base = root.resolve() if path.is_relative_to(root.resolve()) else root.absolute()
+            return path.relative_to(base).as_posix()
+    return value
+
+
 def publish(run_dir: Path, dest: Path) -> Path:
     """Copy the run's small results (config, summary, held-out per-sample scores, training curve) to
     ``dest/<run>.json``."""
@@ -134,6 +157,7 @@ def publish(run_dir: Path, dest: Path) -> Path:
             record[name] = json.loads((run_dir / path).read_text())
     if rows := read_metrics(run_dir):
         record["curve"] = training_curve(rows)
+    record = relative_paths(record, run_dir.parent)
     dest.mkdir(parents=True, exist_ok=True)
     target = dest / f"{run_dir.name}.json"
     target.write_text(json.dumps(record) + "\n")
@@ -213,6 +237,37 @@ EQUIVALENCE = 0.02
 equal NFE is non-inferior if it is at most 0.02 below Flow-GRPO."""
 
 
+VERDICT_METRICS = ("strict/overall", "strict/per_image")
+"""The pre-registered metrics of :func:`arm_verdict` (docs/benchmarks.md, written 2026-12-04 before the
+first DenseGRPO or Stepwise run landed): held-out strict as GenEval averages it (the mean of the
+category means; primary) and per image."""
+
+
+def arm_verdict(diffs: list[float], margin: float = EQUIVALENCE) -> str:
+    """An arm against Flow-GRPO from its paired differences (arm − Flow-GRPO, one per seed):
+
+    - ``"better"``: the 95 % t-interval lies above 0; ``"worse"``: below 0;
+    - ``"equivalent"``: otherwise, if the 90 % t-interval lies inside ±``margin`` (two one-sided
+      tests at 5 % each);
+    - ``"inconclusive at n=<n>"``: neither (and always below 2 seeds).
+    """
+    from scipy import stats
+
+    n = len(diffs)
+    if n < 2:
+        return f"inconclusive at n={n}"
+    mean = sum(diffs) / n
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
+    half95, half90 = (stats.t.ppf(q, n - 1) * se for q in (0.975, 0.95))
+    if mean - half95 > 0:
+        return "better"
+    if mean + half95 < 0:
+        return "worse"
+    if -margin < mean - half90 and mean + half90 < margin:
+        return "equivalent"
+    return f"inconclusive at n={n}"
+
+
 def heldout_scores(heldout: dict, categories: dict[str, str]) -> dict:
     """``{"strict", "soft"}`` → ``{"overall", "per_image", <category>...}`` of one evaluation file
     (``flowcredit eval`` JSON), each averaged over its noise seeds; overall = the mean of the category
@@ -274,12 +329,14 @@ def skill_report(records: dict[str, dict], categories: dict[str, str], baseline:
         seeds = sorted(set(by_seed) & set(arms[baseline]))
         if not seeds:
             continue
-        diffs = {}
+        diffs, verdicts = {}, {}
         for key in ("strict", "soft"):
             for part in base[key]:
                 values = [by_seed[s][key][part] - arms[baseline][s][key][part] for s in seeds]
                 diffs[f"{key}/{part}"] = ci95(values)
-        out["paired"][arm] = {"seeds": seeds, "diff": diffs}
+                if f"{key}/{part}" in VERDICT_METRICS:
+                    verdicts[f"{key}/{part}"] = arm_verdict(values)
+        out["paired"][arm] = {"seeds": seeds, "diff": diffs, "verdict": verdicts}
     for arm, claim, rule in SKILL_CLAIMS:
         if arm in out["paired"]:
             p = out["paired"][arm]

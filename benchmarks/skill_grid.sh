@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The skill grid on the CPU, in the order of its issue (docs/benchmarks.md, "The skill comparison"):
+# DenseGRPO with one-step values ×4, Stepwise ×4, TP-GRPO at equal NFE seed 13, DenseGRPO with ODE
+# values ×4, then seeds 14–17. Resumable: finished runs are read from the published JSON, unfinished
+# ones resume from their checkpoints (restore parked ones first: benchmarks/skill_grid_park.py restore).
+#   bash benchmarks/skill_grid.sh [PUBLISH_DIR]     # one 2-thread run at a time; nice it beside other work
+set -euo pipefail
+PUBLISH=${1:-benchmarks/results/skill_compare/runs}
+PY=${PY:-.venv/bin/python}
+bench() {  # ARMS SEEDS
+    "$PY" -m flowcredit bench --task skill --presets skill --ablations "$1" --seeds "$2" --jobs 1 --threads 2 \
+        --out runs/skill_compare --publish "$PUBLISH"
+}
+bench dense_euler1 10,11,12,13
+bench stepwise 10,11,12,13
+bench tp_equal_nfe 13
+bench dense 10,11,12,13
+bench tp 14,15,16,17
