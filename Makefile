@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo lint venv clean mutants
+.PHONY: test test-kernels demo lint venv clean mutants
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,14 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
+	$(PY) -m pytest -q
+
+# the suite three times, with torch's CPU kernels forced to the plainest, to AVX2 and left at this
+# CPU's best (docs/testing.md): a tolerance must not depend on the CPU (~3 × make test; not in CI)
+test-kernels: $(STAMP)
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q
+	ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q
+	$(PY) -c "import torch; print('best kernels:', torch.backends.cpu.get_cpu_capability())"
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

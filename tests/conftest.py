@@ -6,29 +6,27 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="session")
-def one_process_run(tmp_path_factory):
-    """The 1-process run that the 2-process runs (DDP: test_multiprocess.py, FSDP: test_fsdp.py) are
-    compared to: 2 iterations of their shared tiny config, one thread."""
+def _one_process(tmp_path_factory, name: str, *extra: str):
     from test_multiprocess import TRAIN, _run
 
-    run = tmp_path_factory.mktemp("one_process") / "one"
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "flowcredit",
-            "train",
-            "--run_dir",
-            str(run),
-            "--iterations",
-            "2",
-            "--threads",
-            "1",
-            *TRAIN,
-        ]
-    )
+    run = tmp_path_factory.mktemp(name) / "one"
+    train = ["-m", "flowcredit", "train", "--run_dir", str(run), "--iterations", "2", "--threads", "1"]
+    _run([sys.executable, *train, *TRAIN, *extra])
     return run
+
+
+@pytest.fixture(scope="session")
+def one_process_run(tmp_path_factory):
+    """The 1-process run that the DDP runs (test_multiprocess.py) are compared to: 2 iterations of
+    their shared tiny config, one thread, the LoRA forward DDP runs too (``auto``: composed)."""
+    return _one_process(tmp_path_factory, "one_process")
+
+
+@pytest.fixture(scope="session")
+def one_process_peft_run(tmp_path_factory):
+    """The same with peft's LoRA forward, the one a sharded run must use (test_fsdp.py): a comparison
+    differs in one thing only, the process count."""
+    return _one_process(tmp_path_factory, "one_process_peft", "--lora_forward", "peft")
 
 
 @pytest.fixture(scope="module")
