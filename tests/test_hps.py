@@ -15,7 +15,15 @@ from safetensors.torch import load_file, save_file
 
 from flowcredit.rewards import REWARDS, get_reward
 from flowcredit.rewards.clip import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
-from flowcredit.rewards.hps import convert, hps, hps_preprocess, load_hps, main, read_released
+from flowcredit.rewards.hps import (
+    convert,
+    hps,
+    hps_preprocess,
+    letterbox_geometry,
+    load_hps,
+    main,
+    read_released,
+)
 from flowcredit.rewards.open_clip_layout import add_model_config
 
 NAME = "hps-tiny-test"
@@ -170,23 +178,89 @@ def test_registry_builds_hps(files):
     assert r(torch.rand(2, 3, 32, 32), PROMPTS[:2], [{}, {}]).shape == (2,)
 
 
-def test_preprocess_crops_as_torchvision_and_resizes_close_to_pil():
-    x = torch.rand(1, 3, 224, 227, generator=torch.Generator().manual_seed(4))
-    mean, std = (
-        torch.tensor(OPENAI_CLIP_MEAN).view(1, 3, 1, 1),
-        torch.tensor(OPENAI_CLIP_STD).view(1, 3, 1, 1),
-    )
-    # no resize; CenterCrop's left offset is round(3 / 2) = 2 (not 3 // 2)
-    torch.testing.assert_close(hps_preprocess(x, 224), (x[..., 2:226] - mean) / std, atol=1e-6, rtol=0)
-    # upstream open_clip resizes the uint8 PIL image (bicubic) before cropping; HPSv2 resizes the tensor
-    smooth = F.avg_pool2d(torch.rand(1, 3, 301, 517, generator=torch.Generator().manual_seed(5)), 3, 1, 1)
-    q = (smooth[0] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
-    pil = Image.fromarray(q).resize((int(224 * 517 / 301), 224), Image.BICUBIC)
-    w = pil.size[0]
-    ref = torch.from_numpy(np.array(pil)).permute(2, 0, 1)[None].float() / 255
-    ref = (ref[..., int(round((w - 224) / 2)) : int(round((w - 224) / 2)) + 224] - mean) / std
-    diff = (hps_preprocess(torch.from_numpy(q).permute(2, 0, 1)[None].float() / 255, 224) - ref).abs()
-    assert diff.max() < 0.05 and diff.mean() < 0.01  # measured: 0.016 and 0.0044 (resampling noise)
+# HPSv2 scores with a letterbox, not a crop. The test that stood here pinned the shortest-edge resize and
+# torchvision-rounded centre crop of open_clip's default eval transform; HPSv2's img_score.py builds its
+# transform with light_augmentation=True (resize_longest_max=True: hpsv2/src/open_clip/factory.py and
+# transform.py's ResizeMaxSize), so that behaviour was wrong for every non-square image and is replaced by
+# the three tests below.
+NORMALISED_BLACK = (0 - torch.tensor(OPENAI_CLIP_MEAN)) / torch.tensor(OPENAI_CLIP_STD)
+
+
+def pil_letterbox(x: torch.Tensor, size: int) -> torch.Tensor:
+    """HPSv2's eval transform on one float image ``(3, H, W)``, from its documented steps, with PIL only.
+
+    ``ToTensor`` comes first in HPSv2, so the resize is of float pixels: PIL's float ("F") bicubic
+    resample, per channel (torch's antialiased bicubic uses PIL's kernel, a = -0.5, and its support).
+    The long side goes to ``size``, the other to ``round(side * size / long)``; the result is pasted on a
+    black (0.0) canvas at ``(pad_w // 2, pad_h // 2)``, then normalised with OpenAI's mean/std.
+    """
+    _, h, w = x.shape
+    scale = size / max(h, w)
+    new_h, new_w = round(h * scale), round(w * scale)
+    left, top = (size - new_w) // 2, (size - new_h) // 2
+    channels = []
+    for plane in x.numpy().astype(np.float32):
+        resized = Image.fromarray(plane).resize((new_w, new_h), Image.BICUBIC)
+        canvas = Image.new("F", (size, size), 0.0)
+        canvas.paste(resized, (left, top))
+        channels.append(np.asarray(canvas))
+    out = torch.from_numpy(np.stack(channels))
+    return (out - torch.tensor(OPENAI_CLIP_MEAN).view(3, 1, 1)) / torch.tensor(OPENAI_CLIP_STD).view(3, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "hw",
+    [
+        (512, 768),  # landscape, downscaled to 149 x 224: 75 rows of padding, 37 above and 38 below
+        (96, 160),  # landscape, upscaled to 134 x 224: 45 rows above and below
+        (100, 61),  # portrait, upscaled to 224 x 137: 87 columns, 43 left and 44 right
+        (768, 512),  # portrait, downscaled to 224 x 149
+    ],
+)
+def test_preprocess_is_hpsv2_letterbox_on_non_square_images(hw):
+    x = torch.rand(2, 3, *hw, generator=torch.Generator().manual_seed(sum(hw)))
+    got = hps_preprocess(x, 224)
+    expected = torch.stack([pil_letterbox(img, 224) for img in x])
+    assert got.shape == (2, 3, 224, 224)
+    # float32 round-off of the resampling: torch places its kernel in float32, PIL in double (measured
+    # at most 4e-5 in normalised units; the shortest-edge crop that stood here differed by ~1 on average)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def test_padding_is_normalised_black_and_odd_padding_goes_below():
+    x = torch.rand(1, 3, 512, 768, generator=torch.Generator().manual_seed(6))
+    out = hps_preprocess(x, 224)[0]
+    black = NORMALISED_BLACK.view(3, 1, 1).expand(3, 224, 224)
+    # 512 x 768 -> 149 x 224: pad 75 = 37 rows above, 38 below (by hand from ResizeMaxSize)
+    torch.testing.assert_close(out[:, :37], black[:, :37], atol=1e-6, rtol=0)
+    torch.testing.assert_close(out[:, 186:], black[:, 186:], atol=1e-6, rtol=0)
+    assert (out[:, 37] - black[:, 37]).abs().amin() > 1e-3 and (
+        out[:, 185] - black[:, 185]
+    ).abs().amin() > 1e-3
+    # a long side already at 224 is not resized: here columns 37..186 are the image, exactly
+    y = torch.rand(1, 3, 224, 150, generator=torch.Generator().manual_seed(7))
+    mean, std = torch.tensor(OPENAI_CLIP_MEAN).view(3, 1, 1), torch.tensor(OPENAI_CLIP_STD).view(3, 1, 1)
+    padded = hps_preprocess(y, 224)[0]
+    torch.testing.assert_close(padded[..., 37:187], (y[0] - mean) / std, atol=1e-6, rtol=0)
+    torch.testing.assert_close(padded[..., :37], black[..., :37], atol=1e-6, rtol=0)
+    torch.testing.assert_close(padded[..., 187:], black[..., 187:], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "hw, resized, padding",  # padding: (left, right, top, bottom), as torch.nn.functional.pad
+    [
+        ((512, 768), (149, 224), (0, 0, 37, 38)),  # 768 * 224/768, 512 * 0.2917 = 149.33 -> 149
+        ((768, 512), (224, 149), (37, 38, 0, 0)),
+        ((100, 61), (224, 137), (43, 44, 0, 0)),  # 61 * 2.24 = 136.64 -> 137
+        ((96, 160), (134, 224), (0, 0, 45, 45)),  # 96 * 1.4 = 134.4 -> 134
+        ((10, 896), (2, 224), (0, 0, 111, 111)),  # 10 * 0.25 = 2.5 -> 2: Python's round, halves to even
+        ((224, 150), (224, 150), (37, 37, 0, 0)),  # not resized; HPSv2 would not pad it either (docstring)
+        ((32, 32), (32, 32), (0, 0, 0, 0)),
+    ],
+)
+def test_letterbox_geometry_by_hand(hw, resized, padding):
+    size = 32 if hw == (32, 32) else 224
+    assert letterbox_geometry(*hw, size) == (resized, padding)
 
 
 def test_missing_checkpoint_names_option_and_path(files, tmp_path):

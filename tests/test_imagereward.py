@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from flowcredit.rewards import get_reward
-from flowcredit.rewards.imagereward import IMAGEREWARD_MEAN, IMAGEREWARD_STD
+from flowcredit.rewards.imagereward import (
+    IMAGEREWARD_MEAN,
+    IMAGEREWARD_STD,
+    centre_crop_offsets,
+    image_config,
+    imagereward_preprocess,
+)
 from flowcredit.rewards.imagereward_convert import main
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -129,6 +135,45 @@ def test_scores_batching_and_prompt_dependence(released):
     assert not torch.allclose(reward(out)(x, PROMPTS[::-1], metas), a, atol=1e-3)
     odd = reward(out)(images(2, 40, 56), PROMPTS[:2], [{}] * 2)  # resized and centre-cropped
     assert odd.shape == (2,) and torch.isfinite(odd).all()
+
+
+# torchvision's center_crop (torchvision/transforms/functional.py): top = int(round((H - h) / 2.0)), left
+# likewise; Python's round takes halves to even. By hand, excess -> offset (floor in brackets):
+# 1 -> round(0.5) = 0 (0), 3 -> round(1.5) = 2 (1), 5 -> round(2.5) = 2 (2), 7 -> round(3.5) = 4 (3).
+@pytest.mark.parametrize(
+    "hw, offsets",
+    [
+        ((224, 225), (0, 0)),
+        ((224, 227), (0, 2)),
+        ((229, 224), (2, 0)),
+        ((231, 224), (4, 0)),
+        ((256, 256), (16, 16)),
+    ],
+)
+def test_centre_crop_offsets_round_as_torchvision(hw, offsets):
+    assert centre_crop_offsets(*hw, 224, 224) == offsets
+
+
+@pytest.mark.parametrize("hw, top, left", [((IMG, 35), 0, 2), ((39, IMG), 4, 0), ((IMG, 37), 0, 2)])
+def test_preprocess_crops_at_torchvision_offsets(hw, top, left):
+    pre = image_config(
+        {
+            "vision": {"image_size": IMG},
+            "image_mean": MEAN.flatten().tolist(),
+            "image_std": STD.flatten().tolist(),
+        }
+    )
+    x = images(2, *hw)  # the shortest edge is already IMG: not resized, only cropped
+    expected = (x[..., top : top + IMG, left : left + IMG] - MEAN) / STD
+    torch.testing.assert_close(imagereward_preprocess(x, pre), expected, atol=1e-6, rtol=0)
+
+
+def test_score_of_a_cropped_size_is_the_score_of_torchvisions_crop(released):
+    _, _, out = released
+    x = images(2, IMG, 35)  # 3 columns too many: torchvision keeps columns 2..33, a floor 1..32
+    got = reward(out)(x, PROMPTS[:2], [{}] * 2)
+    torch.testing.assert_close(got, reward(out)(x[..., 2:34], PROMPTS[:2], [{}] * 2), atol=1e-6, rtol=0)
+    assert (got - reward(out)(x[..., 1:33], PROMPTS[:2], [{}] * 2)).abs().max() > 1e-4
 
 
 def test_bfloat16_close_to_float32(released):

@@ -13,7 +13,10 @@ diagonal of ``image_features @ text_features.T``, with neither the logit scale n
 - Model: open_clip's architecture ``model_name`` (default ``ViT-H-14``) as transformers' ``CLIPModel``,
   weights renamed strictly (flowcredit/rewards/open_clip_layout.py says why open_clip itself is not used).
 - Tokens: open_clip's BPE vocabulary file ``bpe_path`` (default: the copy inside an installed open_clip).
-- Pixels: HPSv2's eval transform, in torch on the float images (:func:`hps_preprocess`).
+- Pixels: HPSv2's scoring transform, a letterbox (long side to 224, black padding; not a crop), in torch
+  on the float images (:func:`hps_preprocess`).
+- Precision: HPSv2 scores under ``torch.cuda.amp.autocast()`` (float16 matmuls on CUDA, float32 weights);
+  here the model runs in its ``dtype`` (default float32). HPSv2's benchmark reports 100 × this score.
 """
 
 from __future__ import annotations
@@ -45,22 +48,37 @@ CONVERT = (
 )
 
 
-def hps_preprocess(images: torch.Tensor, size: int) -> torch.Tensor:
-    """``images (B, 3, H, W)`` in [0, 1] → normalised ``(B, 3, size, size)``, as HPSv2's eval transform.
+def letterbox_geometry(height: int, width: int, size: int) -> tuple[tuple[int, int], tuple[int, ...]]:
+    """The resized ``(h, w)`` and padding ``(left, right, top, bottom)`` of HPSv2's ``ResizeMaxSize(size)``.
 
-    HPSv2 (its copy of open_clip) converts to a tensor *first*, then ``Resize(size, bicubic)`` of the
-    shortest edge (torchvision's tensor path: antialiased, not clipped to [0, 1]), ``CenterCrop(size)``
-    (offset ``round((h - size) / 2)``, as torchvision) and the OpenAI mean/std. Upstream open_clip
-    resizes the uint8 PIL image instead; the two differ by resampling noise (tests/test_hps.py).
+    ``hpsv2/src/open_clip/transform.py``: ``scale = size / float(max(H, W))``, each side ``round(side *
+    scale)`` (Python's round, halves to even), then ``pad_h = size - h``, ``pad_w = size - w`` split as
+    ``pad // 2`` before (top, left) and ``pad - pad // 2`` after: an odd padding puts the extra row or
+    column at the bottom or right. Deviation: where ``max(H, W) == size`` the reference neither resizes
+    nor pads, so a non-square image stays non-square (which ViT-H-14 cannot take); here it is padded.
+    """
+    scale = size / float(max(height, width))
+    h, w = round(height * scale), round(width * scale)
+    pad_h, pad_w = size - h, size - w
+    return (h, w), (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2)
+
+
+def hps_preprocess(images: torch.Tensor, size: int) -> torch.Tensor:
+    """``images (B, 3, H, W)`` in [0, 1] → normalised ``(B, 3, size, size)``, as HPSv2 scores images.
+
+    HPSv2's ``img_score.py`` (and its benchmark, ``evaluation.py``) build the transform with
+    ``light_augmentation=True``, i.e. its open_clip copy's ``image_transform(..., is_train=False,
+    resize_longest_max=True)``: ``ToTensor``, then ``ResizeMaxSize(size, fill=0)`` on that float tensor
+    (torchvision's bicubic tensor resize: antialiased since torchvision 0.17, not clipped to [0, 1]) to
+    :func:`letterbox_geometry`'s size, zero padding there (before normalisation, so a padded pixel is
+    ``(0 − mean) / std``), then the OpenAI mean/std. Not open_clip's default shortest-edge resize and
+    centre crop: a non-square image is scored whole, with black bars.
     """
     x = images.float()
-    h, w = x.shape[-2:]
-    long = int(size * max(h, w) / min(h, w))
-    hw = (size, long) if h <= w else (long, size)
-    if (h, w) != hw:
-        x = F.interpolate(x, size=hw, mode="bicubic", align_corners=False, antialias=True)
-    top, left = int(round((hw[0] - size) / 2.0)), int(round((hw[1] - size) / 2.0))
-    x = x[..., top : top + size, left : left + size]
+    (h, w), padding = letterbox_geometry(*x.shape[-2:], size)
+    if (h, w) != tuple(x.shape[-2:]):
+        x = F.interpolate(x, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
+    x = F.pad(x, padding, value=0.0)
     mean = torch.tensor(OPENAI_CLIP_MEAN, device=x.device).view(1, 3, 1, 1)
     std = torch.tensor(OPENAI_CLIP_STD, device=x.device).view(1, 3, 1, 1)
     return (x - mean) / std

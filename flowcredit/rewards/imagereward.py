@@ -11,8 +11,8 @@ ReLUs are commented out and its Dropouts are identity at eval), and
 As in ``ImageReward.score`` / ``inference_rank`` / ``score_gard``, the prompt is tokenised with
 ``padding="max_length", truncation=True, max_length=35`` and fed as is (``[CLS]`` first, not BLIP's
 ``[ENC]``), with its attention mask; the image tokens are not masked. Images are preprocessed as
-ImageReward's torchvision transform: shortest edge to 224 (bicubic), centre crop 224, CLIP mean/std
-(in torch: :func:`flowcredit.rewards.clip.preprocess`).
+ImageReward's torchvision transform: shortest edge to 224 (bicubic), centre crop 224 with torchvision's
+rounded offsets, CLIP mean/std (in torch: :func:`imagereward_preprocess`).
 
 ``model_dir`` is written once by ``python -m flowcredit.rewards.imagereward_convert`` from the released
 ``ImageReward.pt`` (:mod:`flowcredit.rewards.imagereward_convert`): ``model.safetensors`` in this module's
@@ -163,8 +163,34 @@ def _loaded(model_dir: str, device: str, dtype: str):
     return model, tokenizer, cfg
 
 
+def centre_crop_offsets(height: int, width: int, crop_height: int, crop_width: int) -> tuple[int, int]:
+    """``(top, left)`` of torchvision's ``CenterCrop``: ``int(round((H - h) / 2.0))``, likewise for width.
+
+    Source: ``center_crop`` in ``torchvision/transforms/functional.py``. Python's round takes halves to
+    even, so an excess of 1, 3, 5, 7 gives 0, 2, 2, 4, where a floor (``CLIPImageProcessor``'s, and
+    :func:`flowcredit.rewards.clip.preprocess`'s) gives 0, 1, 2, 3. An image smaller than the crop, which
+    torchvision pads first, cannot occur after the shortest-edge resize and is not handled.
+    """
+    return int(round((height - crop_height) / 2.0)), int(round((width - crop_width) / 2.0))
+
+
+def imagereward_preprocess(images: torch.Tensor, pre: dict) -> torch.Tensor:
+    """``images (B, 3, H, W)`` in [0, 1] → ``pixel_values (B, 3, S, S)``, as ImageReward's ``_transform``.
+
+    ImageReward (``ImageReward/ImageReward.py``): ``Resize(S, bicubic)`` of the shortest edge on the PIL
+    image, ``CenterCrop(S)``, ``ToTensor``, ``Normalize`` (CLIP mean/std). The resize, clipping and
+    normalisation are :func:`~flowcredit.rewards.clip.preprocess`'s (torch's bicubic, not PIL's: resampling
+    differences remain); the crop uses :func:`centre_crop_offsets` (normalising is per pixel, so cropping
+    after it is the same).
+    """
+    x = preprocess(images, {**pre, "do_crop": False})
+    crop_h, crop_w = pre["crop"]
+    top, left = centre_crop_offsets(*x.shape[-2:], crop_h, crop_w)
+    return x[..., top : top + crop_h, left : left + crop_w]
+
+
 def image_config(cfg: dict) -> dict:
-    """:func:`~flowcredit.rewards.clip.preprocess` settings: shortest edge → S (bicubic), crop S×S."""
+    """:func:`imagereward_preprocess` settings: shortest edge → S (bicubic), crop S×S."""
     size = int(cfg["vision"]["image_size"])
     return {
         "resize": size,
@@ -191,7 +217,7 @@ def imagereward(*, model_dir, device=None, dtype="float32", batch_size: int = 32
 
     @torch.no_grad()
     def one(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        pixels = preprocess(images.to(device), pre).to(run_dtype)
+        pixels = imagereward_preprocess(images.to(device), pre).to(run_dtype)
         tok = tokenizer(
             prompts, padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
         )
