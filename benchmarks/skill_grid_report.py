@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from flowcredit.commands.bench_skill import skill_report
+from flowcredit.commands.bench_skill import run_cost, skill_report
 from flowcredit.commands.bench_stats import ci95
 from flowcredit.tasks.shapes import CATEGORIES, load_prompts
 
@@ -73,6 +73,21 @@ def table(rep: dict) -> str:
     for arm, p in rep["paired"].items():
         v = p["verdict"]
         lines.append(f"| {arm} | {len(p['seeds'])} | {v['strict/overall']} | {v['strict/per_image']} |")
+    lines += ["", "## Cost per run (mean over seeds)", ""]
+    lines += [
+        "| arm | n | network calls per iteration | training calls | ψ calibration calls | CPU-minutes |"
+    ]
+    lines += ["|---|---|---|---|---|---|"]
+    for arm, c in rep.get("cost", {}).items():
+        lines.append(
+            f"| {arm} | {c['n']} | {c['nfe_per_iteration']:,.0f} | {c['train_nfe']:,.0f} | "
+            f"{c['calibration_nfe']:,.0f} | {c['cpu_minutes']:.0f} |"
+        )
+    lines += [
+        "",
+        "CPU-minutes: wall minutes × threads on the machine that ran it, with whatever else ran beside",
+    ]
+    lines += ["it: network calls are the cost axis; minutes are indicative only."]
     lines += ["", "## Claims", "", "| claim | arm | n | verdict |", "|---|---|---|---|"]
     for c in rep["claims"]:
         lines.append(f"| {c['claim']} | {c['arm']} | {c['n']} | {c['verdict']} |")
@@ -173,6 +188,61 @@ def curves(records: dict[str, dict], path: Path, window: int = 25) -> Path:
     return path
 
 
+def arm_costs(records: dict[str, dict]) -> dict[str, dict]:
+    """Per arm: the seed means of :func:`run_cost` over its published runs that carry a curve."""
+    per_arm: dict[str, list[dict]] = {}
+    for name, rec in records.items():
+        if "-seed" in name and rec.get("curve") and "config" in rec:
+            per_arm.setdefault(name.rsplit("-seed", 1)[0], []).append(run_cost(rec))
+    return {
+        arm: {"n": len(costs), **{k: sum(c[k] for c in costs) / len(costs) for k in costs[0]}}
+        for arm, costs in sorted(per_arm.items())
+    }
+
+
+def heldout_vs_nfe(rep: dict, records: dict[str, dict], path: Path) -> Path:
+    """Held-out strict (change from the base) against the network calls a run spent, one dot per run, the
+    arm's seed mean as a larger marker: what each credit rule buys per unit of compute."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = rep["base"]["strict"]["overall"]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for color, (arm, a) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], rep["arms"].items()):
+        points = []
+        for seed in a["seeds"]:
+            rec = records.get(f"{arm}-seed{seed}", {})
+            if rec.get("curve") and "config" in rec:
+                cost = run_cost(rec)
+                points.append(
+                    (cost["train_nfe"] + cost["calibration_nfe"], a["per_seed"][seed]["strict"]["overall"])
+                )
+        if not points:
+            continue
+        xs, ys = [x / 1e6 for x, _ in points], [y - base for _, y in points]
+        ax.scatter(xs, ys, color=color, s=14, alpha=0.5)
+        ax.scatter(
+            [sum(xs) / len(xs)],
+            [sum(ys) / len(ys)],
+            color=color,
+            s=70,
+            edgecolor="k",
+            label=f"{arm} (n={len(xs)})",
+        )
+    ax.axhline(0, color="k", lw=0.6)
+    ax.set_xlabel("network calls per run (millions; training + ψ calibration)")
+    ax.set_ylabel("held-out strict − base")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", help="the directory holding runs/ (published JSON)")
@@ -181,10 +251,12 @@ def main() -> None:
     records = {f.stem: json.loads(f.read_text()) for f in sorted((out / "runs").glob("*.json"))}
     categories = {m["prompt"]: m["category"] for m in load_prompts("test")}
     rep = skill_report(records, categories)
+    rep["cost"] = arm_costs(records)
     (out / "results.json").write_text(json.dumps(rep, indent=1) + "\n")
     (out / "table.md").write_text(table(rep) + "\n" + "\n".join(progress(out)))
     figure(rep, out / "compare.png")
     curves(records, out / "curves.png")
+    heldout_vs_nfe(rep, records, out / "heldout_vs_nfe.png")
     print((out / "table.md").read_text())
 
 

@@ -83,3 +83,48 @@ def test_layers_point_down():
         for dep in deps:
             dep_rank = rank.get(dep.split(".")[1] if "." in dep else "", 1)
             assert dep_rank <= own, f"{name} (layer {own}) imports {dep} (layer {dep_rank})"
+
+
+def references(source: str, package: str, prefix: str) -> set[str]:
+    """The modules under ``prefix`` that ``source`` (a module of ``package``) reaches: ``import`` and
+    ``from … import`` at any depth (lazy ones inside functions too), relative ones resolved, and string
+    constants that are a dotted target such as ``"pkg.mod:attr"`` (what ``importlib`` is handed)."""
+    parts = package.split(".")
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+            name = ".".join(p for p in (base, node.module or "") if p)
+            out.add(name)
+            out.update(f"{name}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            target = node.value.partition(":")[0]
+            if target.replace(".", "").replace("_", "").isalnum() and " " not in node.value:
+                out.add(target)
+    return {m for m in out if m == prefix or m.startswith(prefix + ".")}
+
+
+def test_tasks_never_reach_rewards():
+    """One direction between the two: the reward registry (``flowcredit.rewards``) builds on the tasks'
+    scorers (ShapeEval's reward, GenEval's rules and detectors) and hands them what they need (the CLIP
+    loader of GenEval's colour classifier); task code never imports ``flowcredit.rewards``."""
+    for path in sorted((ROOT / "tasks").rglob("*.py")):
+        name = module_name(path)
+        package = name if path.stem == "__init__" else name.rpartition(".")[0]
+        found = references(path.read_text(), package, "flowcredit.rewards")
+        assert not found, f"{name} reaches {sorted(found)}: tasks must not import rewards"
+
+
+def test_the_direction_check_sees_lazy_relative_and_named_imports():
+    """The check above can fail, and the graph holds the allowed direction."""
+    lazy = "def f():\n    from flowcredit.rewards.clip import load_clip\n"
+    assert references(lazy, "flowcredit.tasks", "flowcredit.rewards") >= {"flowcredit.rewards.clip"}
+    relative = "def f():\n    from ...rewards import clip\n"  # in flowcredit/tasks/geneval/
+    assert "flowcredit.rewards.clip" in references(relative, "flowcredit.tasks.geneval", "flowcredit.rewards")
+    assert not references("from . import rules\n", "flowcredit.tasks.geneval", "flowcredit.rewards")
+    named = 'LOADER = "flowcredit.rewards.clip:load_clip"\n"""Docs may name flowcredit.rewards.clip."""\n'
+    assert references(named, "flowcredit.tasks", "flowcredit.rewards") == {"flowcredit.rewards.clip"}
+    g = graph()
+    assert {"flowcredit.tasks.shapes", "flowcredit.tasks.geneval.reward"} <= g["flowcredit.rewards"]

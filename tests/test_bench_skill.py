@@ -16,9 +16,12 @@ def test_nominal_nfe_by_hand():
     assert nominal_nfe(load_config("skill")) == 10 + 5 * 2
     # TP-GRPO credit: ode_remaining completions from states 0–4 (state 5 is copied: the rest is ODE)
     assert nominal_nfe(load_config("skill", None, ["--credit", "turning_point"])) == 20 + (10 + 9 + 8 + 7 + 6)
-    # one-step values: one call from each of states 0–4
+    # one-step values come from the rollout's own velocities (x̂0 = x − σ·v): no call (the trainer logs
+    # nfe/values 0); two Euler substeps call the model from each of states 0–4 and their midpoints
     one_step = ["--credit", "dense", "--estimator", "euler", "--substeps", "1"]
-    assert nominal_nfe(load_config("skill", None, one_step)) == 20 + 5
+    assert nominal_nfe(load_config("skill", None, one_step)) == 20
+    two_steps = ["--credit", "dense", "--estimator", "euler", "--substeps", "2"]
+    assert nominal_nfe(load_config("skill", None, two_steps)) == 20 + 5 * 2
 
 
 def test_the_arms_are_the_preset_with_one_change():
@@ -254,3 +257,25 @@ def test_equivalence_uses_the_90_percent_interval():
     sd = math.sqrt(2 * 0.0186**2 / 3)
     assert 2.3534 * sd / 2 < 0.02 - 0.0005 < 3.1825 * sd / 2
     assert arm_verdict(diffs) == "equivalent"
+
+
+def test_run_cost_counts_training_and_calibration_calls_by_hand():
+    """skill preset, dense credit with euler(1) values from the rollout (no value calls): a ψ
+    calibration of 11 rounds = 11 × 4 groups × 12 trajectories × 10 rollout calls = 5,280."""
+    import dataclasses
+
+    from flowcredit.commands.bench_skill import run_cost
+    from flowcredit.presets import load_config
+
+    cfg = load_config("skill", None, ["--credit", "dense", "--sampler", "dance_sde", "--calibrate", "true"])
+    cfg = dataclasses.replace(cfg, estimator="euler", substeps=1)
+    record = {
+        "config": dataclasses.asdict(cfg),
+        "curve": {"iteration": [1, 2], "reward": [0.1, 0.2], "nfe": [1920, 3840]},
+        "summary": {"minutes": 30.0},
+        "calibration": {"iterations": 11},
+    }
+    cost = run_cost(record)
+    assert cost["calibration_nfe"] == 11 * 4 * 12 * 10
+    assert cost["train_nfe"] == 3840 and cost["nfe_per_iteration"] == 1920
+    assert cost["cpu_minutes"] == 30.0 * cfg.threads

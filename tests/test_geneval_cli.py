@@ -52,4 +52,7 @@ def test_a_metadata_line_without_include_is_named(tmp_path, capsys):
     argv += ["--train_prompts", str(bad), "--run_dir", str(tmp_path / "run"), "--log_with", "none"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "prompts.jsonl: prompt 2" in err[0] and "include" in err[0]
+    assert len(err) == 1 and err[0].endswith(
+        "prompts.jsonl: line 2: geneval reward: prompt 'a red circle': GenEval metadata needs a non-empty "
+        "'include' list"
+    )

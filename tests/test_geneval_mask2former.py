@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from flowcredit.errors import UserError
 from flowcredit.rewards import get_reward
-from flowcredit.rewards.clip import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+from flowcredit.rewards.clip import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, load_clip
 from flowcredit.tasks.geneval import mask2former as m2f
 from flowcredit.tasks.geneval.metadata import COCO_CLASSES
 from flowcredit.tasks.geneval.rules import COLORS
@@ -73,7 +73,9 @@ def clip_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def detector(model_dir, clip_dir):
-    return m2f.Mask2FormerDetector(model_dir=model_dir, clip_dir=clip_dir, device="cpu", batch_size=8)
+    return m2f.Mask2FormerDetector(
+        model_dir=model_dir, clip_dir=clip_dir, device="cpu", batch_size=8, clip_loader=load_clip
+    )
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +178,9 @@ def test_batched_call_equals_one_image_at_a_time(detector, images):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_dtypes_give_finite_scores_and_boxes_inside_the_image(model_dir, clip_dir, images, dtype):
-    det = m2f.Mask2FormerDetector(model_dir=model_dir, clip_dir=clip_dir, device="cpu", dtype=dtype)
+    det = m2f.Mask2FormerDetector(
+        model_dir=model_dir, clip_dir=clip_dir, device="cpu", dtype=dtype, clip_loader=load_clip
+    )
     assert det.classes == COCO_CLASSES
     results = det(images, [{}] * 3)
     found = [f for scene, _ in results for group in scene.values() for f in group]
@@ -266,7 +270,7 @@ def test_missing_or_bad_weights_name_the_option_and_path(model_dir, clip_dir, tm
     ]
     for opts, pattern in cases:
         with pytest.raises(UserError, match=pattern):
-            m2f.Mask2FormerDetector(**opts, device="cpu")
+            m2f.Mask2FormerDetector(**opts, device="cpu", clip_loader=load_clip)
     odd = save_tiny_mask2former(tmp_path / "odd", labels=("cup", "unicorn"), bias=())
     with pytest.raises(UserError, match=r"'model_dir'.*odd.*unicorn"):
-        m2f.Mask2FormerDetector(model_dir=odd, clip_dir=clip_dir, device="cpu")
+        m2f.Mask2FormerDetector(model_dir=odd, clip_dir=clip_dir, device="cpu", clip_loader=load_clip)

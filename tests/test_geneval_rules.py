@@ -239,9 +239,34 @@ def test_geneval_reward_rejects_metadata_it_cannot_score():
     cup = meta("colors", [{"class": "cup", "count": 1, "color": "red"}])
     with pytest.raises(UserError, match="'p'.*unknown class 'cup'"):
         reward(torch.zeros(1, 3, 32, 32), ["p"], [cup])
-    with pytest.raises(UserError, match="prompts.jsonl: prompt 2: .*include"):
+    with pytest.raises(UserError, match="prompts.jsonl: line 2: .*include"):
         reward.check_metadata(
             [cup | {"include": [{"class": "circle", "count": 1}]}, {"prompt": "q"}], "prompts.jsonl"
         )
     with pytest.raises(UserError, match="detector"):
         geneval(detector="yolo")
+
+
+def test_metadata_errors_name_the_prompt_once_and_list_the_classes():
+    from flowcredit.tasks.geneval.reward import geneval
+
+    reward = geneval(detector="shapes")
+    cup = meta("colors", [{"class": "cup", "count": 1, "color": "red"}])
+    with pytest.raises(UserError) as info:
+        reward(torch.zeros(1, 3, 32, 32), ["a red cup"], [cup])
+    assert str(info.value) == (
+        "geneval reward: prompt 'a red cup': include[0]: unknown class 'cup'; "
+        "the detector's: circle, square, triangle"
+    )
+    with pytest.raises(UserError) as info:
+        reward.check_metadata([{"prompt": "q", "tag": "colors"}], "prompts.jsonl")
+    assert str(info.value) == (
+        "prompts.jsonl: line 1: geneval reward: prompt 'q': GenEval metadata needs a non-empty 'include' list"
+    )
+    # an unknown COCO class: the message lists GenEval's 80 classes, in one line
+    with pytest.raises(ValueError) as info:
+        validate(meta("colors", [{"class": "unicorn", "count": 1}]), COCO_CLASSES)
+    assert (
+        str(info.value) == f"include[0]: unknown class 'unicorn'; the detector's: {', '.join(COCO_CLASSES)}"
+    )
+    assert len(COCO_CLASSES) == 80 and "traffic light, fire hydrant" in str(info.value)

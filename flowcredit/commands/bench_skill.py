@@ -34,6 +34,11 @@ def nominal_nfe(cfg: Config) -> float:
     The count the trainer logs as ``nfe/*`` divided by the batch rows, with every group live; the
     value completions are planned exactly as :func:`flowcredit.run.rollout.state_values` plans them.
     """
+    return float(sum(nfe_parts(cfg).values()))
+
+
+def nfe_parts(cfg: Config) -> dict[str, int]:
+    """:func:`nominal_nfe`'s terms: ``{"rollout", "values", "update"}`` network calls per trajectory."""
     import torch
 
     from flowcredit.advantages import CREDITS
@@ -46,11 +51,11 @@ def nominal_nfe(cfg: Config) -> float:
     compute, _ = plan_completions(need, levels == 0, cfg.estimator)
     start = torch.nonzero(compute, as_tuple=True)[0]
     values = 0
-    if len(start):
+    if len(start) and not (cfg.estimator == "euler" and cfg.substeps == 1):  # one-step: the rollout's v
         _, remaining = ESTIMATORS[cfg.estimator].grid(sigmas(cfg.num_steps, cfg.shift), start, cfg.substeps)
         values = int(remaining.sum())
     update = int(trained.sum()) * cfg.inner_epochs * (2 if cfg.beta else 1)
-    return float(cfg.num_steps + values + update)
+    return {"rollout": cfg.num_steps, "values": values, "update": update}
 
 
 def _equal_nfe(preset: Config, change: list[str]) -> list[str]:
@@ -157,6 +162,9 @@ def publish(run_dir: Path, dest: Path) -> Path:
             record[name] = json.loads((run_dir / path).read_text())
     if rows := read_metrics(run_dir):
         record["curve"] = training_curve(rows)
+    if (run_dir / "calibration.json").is_file():  # ψ's calibration: its rounds are part of the run's cost
+        calibration = json.loads((run_dir / "calibration.json").read_text())
+        record["calibration"] = {k: calibration[k] for k in ("iterations", "converged", "psi")}
     record = relative_paths(record, run_dir.parent)
     dest.mkdir(parents=True, exist_ok=True)
     target = dest / f"{run_dir.name}.json"
@@ -216,6 +224,29 @@ def after_run(args, cells: list[dict], out: Path):
         return run_dir
 
     return after
+
+
+def run_cost(record: dict) -> dict[str, float]:
+    """One published run's cost: ``train_nfe`` (rollout + values + update calls logged over its
+    iterations), ``calibration_nfe`` (ψ's calibration rounds × ``calib_groups`` × ``group_size``
+    trajectories × their rollout + value calls, from the config), ``nfe_per_iteration`` and
+    ``cpu_minutes`` (wall minutes × threads; inflated when other work shared the CPU)."""
+    cfg = Config(
+        **{k: v for k, v in record["config"].items() if k in {f.name for f in dataclasses.fields(Config)}}
+    )
+    curve = record.get("curve", {})
+    train = curve["nfe"][-1] if curve.get("nfe") else float("nan")
+    rounds = record.get("calibration", {}).get("iterations", 0)
+    parts = nfe_parts(cfg)
+    calibration = rounds * cfg.calib_groups * cfg.group_size * (parts["rollout"] + parts["values"])
+    iterations = len(curve.get("nfe", ())) or float("nan")
+    minutes = record.get("summary", {}).get("minutes", float("nan"))
+    return {
+        "train_nfe": train,
+        "calibration_nfe": float(calibration),
+        "nfe_per_iteration": train / iterations,
+        "cpu_minutes": minutes * cfg.threads,
+    }
 
 
 # --- the report: held-out scores of the published runs, paired differences, verdicts ---------------

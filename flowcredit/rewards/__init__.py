@@ -51,6 +51,19 @@ def _shapes_strict(images, prompts, metadata):
     return shapes_strict_reward(images, prompts, metadata)
 
 
+def _geneval(**options) -> RewardFn:
+    """GenEval's rules over a detector (:func:`flowcredit.tasks.geneval.reward.geneval`: its options and
+    scores). Its Mask2Former detector classifies colours with the CLIP that
+    :func:`flowcredit.rewards.clip.load_clip` loads, handed to it here: rewards import tasks, never the
+    other way round (tests/test_architecture.py)."""
+    if "clip_loader" in options:
+        raise UserError("reward 'geneval' has no option 'clip_loader'")
+    from flowcredit.rewards.clip import load_clip
+    from flowcredit.tasks.geneval.reward import geneval
+
+    return geneval(**options, clip_loader=load_clip)
+
+
 def _jpeg_kb(images) -> np.ndarray:
     from PIL import Image
 
@@ -141,7 +154,7 @@ REWARDS: dict[str, RewardFactory] = {
     "imagereward": _Lazy("flowcredit.rewards.imagereward:imagereward"),
     "clip_product_head": _Lazy("flowcredit.rewards.clip:clip_product_head"),
     "remote": _Lazy("flowcredit.rewards.remote:remote"),
-    "geneval": _Lazy("flowcredit.tasks.geneval.reward:geneval"),
+    "geneval": _geneval,
 }
 
 

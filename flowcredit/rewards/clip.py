@@ -118,10 +118,14 @@ class ClipBundle:
         self.device, self.dtype = device, dtype
 
     @torch.no_grad()
-    def image_embeds(self, images: torch.Tensor) -> torch.Tensor:
-        """``(B, 3, H, W)`` in [0, 1] → L2-normalised ``(B, D)`` float32."""
-        pixels = preprocess(images.to(self.device), self.pre).to(self.dtype)
-        pooled = self.model.vision_model(pixel_values=pixels).pooler_output
+    def image_embeds(self, images: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+        """``(B, 3, H, W)`` in [0, 1], or a list of ``(3, h_i, w_i)`` each preprocessed alone (sizes may
+        differ; GenEval's colour crops) → L2-normalised ``(B, D)`` float32, one forward."""
+        if isinstance(images, torch.Tensor):
+            pixels = preprocess(images.to(self.device), self.pre)
+        else:
+            pixels = torch.cat([preprocess(x[None].to(self.device), self.pre) for x in images])
+        pooled = self.model.vision_model(pixel_values=pixels.to(self.dtype)).pooler_output
         return F.normalize(self.model.visual_projection(pooled).float(), dim=-1)
 
     @torch.no_grad()

@@ -61,7 +61,6 @@ import torch.nn.functional as F
 
 from flowcredit.errors import UserError
 from flowcredit.models.diffusers_common import default_device
-from flowcredit.rewards.clip import _DTYPES, _existing, load_clip, preprocess
 from flowcredit.tasks.geneval.metadata import COCO_CLASSES
 from flowcredit.tasks.geneval.rules import COLORS, ColorFn, Found, Scene
 
@@ -78,6 +77,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 PAD = 128 / 255
 """mmdet's padding value (before normalisation) in GenEval's config."""
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -223,34 +223,59 @@ def color_classifier(clip, name: str) -> torch.Tensor:
     return F.normalize(emb.mean(dim=1), dim=-1)
 
 
-@torch.no_grad()
 def crop_embeds(clip, crops: list[torch.Tensor]) -> torch.Tensor:
     """Crops ``(3, h_i, w_i)`` in [0, 1] → L2-normalised CLIP image embeddings ``(N, D)`` float32, each
-    preprocessed alone (sizes differ), one forward."""
-    pixels = torch.cat([preprocess(c[None].to(clip.device), clip.pre) for c in crops])  # (N, 3, S, S)
-    pooled = clip.model.vision_model(pixel_values=pixels.to(clip.dtype)).pooler_output
-    return F.normalize(clip.model.visual_projection(pooled).float(), dim=-1)
+    preprocessed alone (sizes differ), one forward (``clip.image_embeds`` of a list)."""
+    return clip.image_embeds(list(crops))
+
+
+def _directory(option: str, path) -> Path:
+    """``path`` as an existing directory; ``UserError`` naming the option and path otherwise."""
+    p = Path(path).expanduser() if path is not None else None
+    if p is None or not p.is_dir():
+        raise UserError(
+            f"reward {REWARD!r}: option {option!r} = {str(path)!r} is not an existing directory "
+            "(weights are never downloaded; save them there first, see docs/geneval.md)"
+        )
+    return p
 
 
 class Mask2FormerDetector:
-    """GenEval's detector (see the module docstring): ``(images, metas) -> [(Scene, ColorFn)]``."""
+    """GenEval's detector (see the module docstring): ``(images, metas) -> [(Scene, ColorFn)]``.
 
-    def __init__(self, *, model_dir, clip_dir, device=None, dtype="float32", batch_size=8, image_size=None):
-        if dtype not in _DTYPES:
+    ``clip_loader(reward, clip_dir, device, dtype)`` loads the colour classifier's CLIP: an object with
+    ``text_embeds(texts) -> (N, D)`` and ``image_embeds(list of (3, h, w)) -> (N, D)``, L2-normalised
+    (the registry passes :func:`flowcredit.rewards.clip.load_clip`; this module does not import rewards).
+    """
+
+    def __init__(
+        self,
+        *,
+        model_dir,
+        clip_dir,
+        device=None,
+        dtype="float32",
+        batch_size=8,
+        image_size=None,
+        clip_loader=None,
+    ):
+        if dtype not in DTYPES:
             raise UserError(
-                f"reward {REWARD!r}: option 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}"
+                f"reward {REWARD!r}: option 'dtype' must be one of {sorted(DTYPES)}, got {dtype!r}"
             )
-        try:
-            path = _existing(REWARD, "model_dir", model_dir, want_dir=True)
-            _existing(REWARD, "clip_dir", clip_dir, want_dir=True)
-        except FileNotFoundError as exc:
-            raise UserError(str(exc)) from None
+        if clip_loader is None:
+            raise UserError(
+                f"reward {REWARD!r}: the mask2former detector needs a CLIP loader: build the reward with "
+                "flowcredit.rewards.get_reward('geneval', ...)"
+            )
+        path = _directory("model_dir", model_dir)
+        _directory("clip_dir", clip_dir)
         self.device = device or str(default_device())  # cuda:LOCAL_RANK: one GPU per rank
-        self.model = _load_model(path, self.device, _DTYPES[dtype])
+        self.model = _load_model(path, self.device, DTYPES[dtype])
         self.classes = _check_classes(self.model.config, path)
-        self.clip = load_clip(REWARD, clip_dir, self.device, dtype)
+        self.clip = clip_loader(REWARD, clip_dir, self.device, dtype)
         self.pre = preprocess_config(path, image_size)
-        self.batch_size, self.dtype = int(batch_size), _DTYPES[dtype]
+        self.batch_size, self.dtype = int(batch_size), DTYPES[dtype]
         self._classifiers: dict[str, torch.Tensor] = {}
 
     def detect(self, images: torch.Tensor) -> list[list[Instance]]:

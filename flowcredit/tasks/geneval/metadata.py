@@ -25,37 +25,35 @@ COCO_CLASSES = (
 
 
 def validate(meta: object, classes: tuple[str, ...] | None = None) -> None:
-    """Raise ``ValueError`` naming the culprit unless ``meta`` is GenEval metadata whose classes are all
-    in ``classes`` (``None``: any class)."""
+    """Raise ``ValueError`` naming the culprit (``include[i]: …``) unless ``meta`` is GenEval metadata
+    whose classes are all in ``classes`` (``None``: any class). The message does not name the prompt:
+    the caller does (it knows the file and line too)."""
     if not isinstance(meta, dict):
         raise ValueError(f"GenEval metadata must be a JSON object, got {type(meta).__name__}")
-    where = f"prompt {meta.get('prompt')!r}"
     include = meta.get("include")
     if not isinstance(include, list) or not include:
-        raise ValueError(f"{where}: GenEval metadata needs a non-empty 'include' list")
+        raise ValueError("GenEval metadata needs a non-empty 'include' list")
     for i, req in enumerate(include):
-        _requirement(req, f"{where}: include[{i}]", classes)
+        _requirement(req, f"include[{i}]", classes)
         if "color" in req and req["color"] not in COLORS:
-            raise ValueError(f"{where}: include[{i}]: unknown colour {req['color']!r}; GenEval's: {COLORS}")
+            raise ValueError(f"include[{i}]: unknown colour {req['color']!r}; GenEval's: {', '.join(COLORS)}")
         if "position" in req:
             pos = req["position"]
             ok = isinstance(pos, list) and len(pos) == 2 and pos[0] in RELATIONS
             if not ok or not isinstance(pos[1], int) or not 0 <= pos[1] < i:
                 raise ValueError(
-                    f"{where}: include[{i}]: 'position' must be [relation in {RELATIONS}, index of an "
+                    f"include[{i}]: 'position' must be [relation in {RELATIONS}, index of an "
                     f"earlier include], got {pos!r}"
                 )
     for i, req in enumerate(meta.get("exclude", [])):
-        _requirement(req, f"{where}: exclude[{i}]", classes)
+        _requirement(req, f"exclude[{i}]", classes)
 
 
 def _requirement(req: object, where: str, classes: tuple[str, ...] | None) -> None:
     if not isinstance(req, dict) or not isinstance(req.get("class"), str):
         raise ValueError(f"{where}: a requirement needs a string 'class'")
     if classes is not None and req["class"] not in classes:
-        raise ValueError(
-            f"{where}: unknown class {req['class']!r} (not one of the detector's {len(classes)})"
-        )
+        raise ValueError(f"{where}: unknown class {req['class']!r}; the detector's: {', '.join(classes)}")
     count = req.get("count")
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ValueError(f"{where}: 'count' must be an integer >= 1, got {count!r}")

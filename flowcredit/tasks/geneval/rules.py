@@ -6,7 +6,8 @@ is ``{"class", "count"}`` plus, in ``include``, an optional ``"color"`` and an o
 ``"position": [relation, j]`` (this object is ``relation`` of the objects of include ``j < i``).
 
 The rules (:func:`check`), over the detections kept by :func:`visible` (score above the threshold —
-0.3, or 0.9 for the ``counting`` tag — highest first, at most 16 per class):
+0.3, or 0.9 for the ``counting`` tag — highest first, of equal scores the later-listed first as in
+GenEval's script (:func:`geneval_order`), at most 16 per class):
 
 - include ``{class, count}``: at least ``count`` objects of the class; the first ``count`` (highest
   scores) are the requirement's *group*;
@@ -83,12 +84,24 @@ class Verdict:
     reasons: list[str] = field(default_factory=list)
 
 
+def geneval_order(found: list[Found]) -> list[Found]:
+    """``found`` highest score first, of equal scores the *later-listed* first: GenEval's
+    ``np.argsort(scores)[::-1]`` (``evaluation/evaluate_images.py``, ``evaluate_image``).
+
+    GenEval pins numpy 1.23.1, whose default argsort (introsort) sorts a short array by insertion sort,
+    which is stable (checked with numpy 1.23.5: ties keep their order in every float32 array of up to 16
+    elements, not from 17), so the reversal puts the later of two equal scores first. Deviation: where
+    numpy leaves the order of ties unspecified (more than 16 detections of a class, counted before the
+    threshold; a numpy whose argsort uses SIMD sorts, e.g. 2.x on AVX-512) this order still holds."""
+    return sorted(reversed(found), key=lambda f: -f.score)
+
+
 def visible(scene: Scene, tag: str, settings: Settings = GENEVAL) -> Scene:
-    """Detections above the tag's threshold, highest score first, at most ``max_objects`` per class."""
+    """Detections above the tag's threshold in :func:`geneval_order`, at most ``max_objects`` per class."""
     threshold = settings.counting_threshold if tag == "counting" else settings.threshold
     out = {}
     for name, found in scene.items():
-        kept = sorted((f for f in found if f.score > threshold), key=lambda f: -f.score)
+        kept = [f for f in geneval_order(found) if f.score > threshold]
         out[name] = kept[: settings.max_objects]
     return out
 
