@@ -5,7 +5,7 @@
 # 2. the pre-registered confirmation of the demo-task finding (docs/benchmarks.md, "The powered
 #    comparison"): TP-GRPO vs Flow-GRPO, both with Flow-GRPO's KL (β 0.04, kl_mode flow_grpo), the
 #    compare task, NEW seeds 16–31; the bench's paired row tp_grpo − flow_grpo is the confirmation;
-# 3. the skill comparison (flowcredit bench --task skill): the preset and its five arms over
+# 3. the skill comparison (flowcredit bench --task skill): the preset and its six arms over
 #    SKILL_SEEDS (default 10..17), each finished run evaluated on the held-out prompts (86 × 16 × noise
 #    seeds 7001/7002, on CUDA like the base checkpoint) and published as small JSON into
 #    $OUT/skill/runs (GPU runs: never mix them with the CPU runs of benchmarks/results/skill_compare;
@@ -43,7 +43,7 @@ echo "===== confirmation: exit $? after $((SECONDS - t0)) s"
 pack
 
 t0=$SECONDS
-python3 -m flowcredit bench --task skill --presets skill --ablations tp,tp_equal_nfe,dense_euler1,stepwise,dense \
+python3 -m flowcredit bench --task skill --presets skill --ablations tp,tp_equal_nfe,dense_euler1,stepwise,stepwise_cps,dense \
     --seeds "$SKILL_SEEDS" "${GPU[@]}" --out runs/skill-gpu --publish "$OUT/skill/runs" 2>&1 | grep -v ": done in"
 echo "===== skill grid: exit $? after $((SECONDS - t0)) s"
 python3 benchmarks/skill_grid_report.py "$OUT/skill" 2>&1 | tail -40  # results.json, table.md
