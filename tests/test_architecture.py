@@ -8,7 +8,7 @@ from pathlib import Path
 import flowcredit
 
 ROOT = Path(flowcredit.__file__).parent
-MATH_CORE = ("schedule", "sde", "values", "advantages", "calibration", "losses")
+MATH_CORE = ("schedule", "sde", "values", "advantages", "calibration", "losses", "updates", "step_schedules")
 
 
 def module_name(path: Path) -> str:

@@ -1,0 +1,474 @@
+"""Which steps explore and train (step schedules), and how much each trained step's loss counts
+(per-step loss weights); docs/algorithms.md, "Which steps explore and train: step schedules" and
+"Per-step loss weights".
+
+A **step schedule** turns the sampling grid ``sigmas (N + 1,)`` of one iteration into a
+:class:`StepPlan`: the grid the rollout follows (the input grid, or a coarser one whose steps merge
+runs of input steps), which of its steps are SDE steps (explore) and which are trained. Every entry of
+:data:`STEP_SCHEDULES` is a pure function ``fn(sigmas, *, level, iteration, total, generator,
+**options) -> StepPlan``: a plan depends on the iteration and the generator only, so a resumed run
+draws the plan the uninterrupted one would have. Options live with the entry (defaults, one-line
+errors naming the option), not in the config.
+
+A **per-step loss weight** (:data:`STEP_WEIGHTS`) is ``fn(sigmas (M + 1,), trained (M,), std (M,) |
+None, **options) -> (M,)``: the factor on each trained step's policy loss (0 on untrained steps).
+
+Entries and where they deviate from their paper or code:
+1. ``window``: today's fixed window ``[start, start + size)`` (``size`` 0: every step from ``start``
+   but the last); equal to ``flowcredit.run.rollout.noise_levels``.
+2. ``mixgrpo`` (MixGRPO, arXiv 2507.21802): a window of ``size`` SDE steps sliding by ``stride``
+   every ``interval`` iterations; rules from the authors' code (the paper text was not readable
+   here). Deviations: the code can reach a start equal to its bound, where the window is empty; we
+   stop one earlier. ``random`` draws from the run's generator (the code's NumPy draw is unseeded).
+   MixGRPO-Flash's second-order post-window solver is not implemented.
+3. ``tempflow`` (TempFlow-GRPO, arXiv 2508.04324): branch plans, ODE everywhere but one SDE step per
+   branch. ``branches="all"`` is the authors' code (every step but the last is a branch point each
+   iteration); ``uniform`` and ``cycle`` (one branch step per iteration) are our cheaper options.
+4. ``egrpo`` (E-GRPO, arXiv 2601.00423): consecutive low-entropy steps merged into one SDE step whose
+   Gaussian entropy reaches ``threshold``. The entropy measure and threshold value are our reading:
+   they reproduce the units of the authors' released run (16 steps, shift 3, a = 0.7: steps 0, 1,
+   2–3, 4–6) but not the τ ≈ 2.2 a summary of the paper quotes.
+Weights: ``uniform`` (1), ``tempflow`` (exploration std over its mean on trained steps; the code
+hard-codes the reciprocal mean, 2.25 / 1.73), ``grpo_guard`` (1/Δt, arXiv 2510.22319's code).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from flowcredit.sde import flow_sde_g
+
+_HALF_LOG_2PI_E = 0.5 * math.log(2.0 * math.pi * math.e)
+_SCHEDULE_KEYWORDS = ("level", "iteration", "total", "generator")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One iteration's steps: the grid to follow and which of its ``M`` steps explore and train.
+
+    Attributes:
+        sigmas: ``(M + 1,)`` the rollout's grid, decreasing from ``sigmas[0]`` to ``sigmas[M]``.
+        sde: ``(M,)`` bool, steps sampled with the SDE (the others take the ODE step).
+        trained: ``(M,)`` bool, steps whose log-probability enters the loss; a subset of ``sde``.
+        grid_index: ``(M + 1,)`` int64, where each σ of the plan sits in the input grid (``0 … N``,
+            strictly increasing; ``arange(N + 1)`` when nothing is merged).
+        branch: False: one trajectory per row with every SDE step in it. True: every SDE step ``k`` is
+            explored on a branch of its own: ODE to ``x_k`` (the prefix shared by all branches of a
+            row), one SDE step at ``k``, ODE to the end.
+    """
+
+    sigmas: torch.Tensor
+    sde: torch.Tensor
+    trained: torch.Tensor
+    grid_index: torch.Tensor
+    branch: bool = False
+
+    def __post_init__(self):
+        m = self.sde.numel()
+        if self.sigmas.shape != (m + 1,) or self.trained.shape != (m,) or self.grid_index.shape != (m + 1,):
+            raise ValueError(
+                f"StepPlan shapes disagree: sigmas {tuple(self.sigmas.shape)}, sde {tuple(self.sde.shape)}, "
+                f"trained {tuple(self.trained.shape)}, grid_index {tuple(self.grid_index.shape)}"
+            )
+        if self.sde.dtype != torch.bool or self.trained.dtype != torch.bool:
+            raise ValueError("StepPlan: sde and trained must be bool tensors")
+        if bool((self.trained & ~self.sde).any()):
+            raise ValueError("StepPlan: a trained step must be an SDE step (an ODE step has no log-density)")
+        if m and not bool((self.grid_index[1:] > self.grid_index[:-1]).all()):
+            raise ValueError(f"StepPlan: grid_index must increase strictly, got {self.grid_index.tolist()}")
+
+
+def plan_levels(plan: StepPlan, level: float, psi: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-step sampler levels ``(M,)``: ``level`` on SDE steps (or ``psi (M,)``, DenseGRPO's ψ), 0 on
+    ODE steps; what ``flowcredit.run.rollout.rollout`` takes as ``levels``."""
+    on = psi if psi is not None else torch.full((plan.sde.numel(),), float(level))
+    return torch.where(plan.sde, on, torch.zeros_like(on))
+
+
+def _steps_plan(sigmas: torch.Tensor, sde: torch.Tensor, branch: bool = False) -> StepPlan:
+    """A plan on the input grid whose SDE steps are all trained."""
+    n = sigmas.numel() - 1
+    return StepPlan(sigmas, sde.clone(), sde.clone(), torch.arange(n + 1), branch)
+
+
+def _fail(kind: str, name: str, option: str, message: str) -> None:
+    raise ValueError(f"{kind} {name!r}: option {option!r} {message}")
+
+
+def _one_of(name: str, option: str, value, allowed: tuple) -> None:
+    if value not in allowed:
+        _fail("step schedule", name, option, f"must be one of {allowed}, got {value!r}")
+
+
+# --- 1. window: today's fixed SDE window ---
+
+
+def window(sigmas, *, level, iteration, total, generator, start=0, size=0) -> StepPlan:
+    """The fixed SDE window ``[start, start + size)``; ``size = 0`` means every step from ``start`` but
+    the last (``flowcredit.config.trained_window``). Steps outside are ODE steps."""
+    n = sigmas.numel() - 1
+    size = size or n - 1 - start
+    if not 0 <= start < n:
+        _fail("step schedule", "window", "start", f"must lie in [0, {n}), got {start}")
+    if size < 1 or start + size > n:
+        _fail("step schedule", "window", "size", f"gives [{start}, {start + size}), not within the {n} steps")
+    sde = torch.zeros(n, dtype=torch.bool)
+    sde[start : start + size] = True
+    return _steps_plan(sigmas, sde)
+
+
+# --- 2. MixGRPO: a sliding window ---
+
+MIXGRPO_STRATEGIES = ("progressive", "random", "decay", "exp_decay")
+
+
+def mixgrpo_interval(
+    start, end, strategy, interval, min_interval, max_interval, decay_from, decay_rate
+) -> int:
+    """Iterations the window stays at ``start`` (the code's ``iters_per_group``).
+
+    ``progressive``: τ. ``decay``: ``max(τ_min, int(τ_max·(1 − s/end) + τ_min·s/end))``, linear from
+    τ_max at s = 0 to τ_min at the bound. ``exp_decay``: ``ceil(τ·exp(−k·max(0, s − s_0)))``.
+    """
+    if strategy == "decay":
+        progress = start / end
+        return max(min_interval, int(max_interval * (1 - progress) + min_interval * progress))
+    if strategy == "exp_decay":
+        return max(1, math.ceil(interval * math.exp(-decay_rate * max(0, start - decay_from))))
+    return interval
+
+
+def mixgrpo_start(iteration: int, end: int, stride: int, held, roll_back: bool) -> int:
+    """The window's first step at ``iteration``: positions ``0, stride, 2·stride, …`` below ``end``,
+    each held ``held(s)`` iterations; past the last one the window restarts at 0 (``roll_back``) or
+    stays there."""
+    starts = range(0, end, stride)
+    durations = [held(s) for s in starts]
+    if iteration >= sum(durations) and not roll_back:
+        return starts[-1]
+    left = iteration % sum(durations)
+    for s, h in zip(starts, durations):
+        if left < h:
+            return s
+        left -= h
+    raise AssertionError("unreachable")
+
+
+def mixgrpo(
+    sigmas,
+    *,
+    level,
+    iteration,
+    total,
+    generator,
+    strategy="progressive",
+    size=4,
+    stride=1,
+    interval=25,
+    roll_back=True,
+    skip_last=2,
+    min_interval=1,
+    max_interval=10,
+    decay_from=13,
+    decay_rate=0.1,
+) -> StepPlan:
+    """MixGRPO's sliding window: SDE (and trained) on ``[s, min(s + size, N − skip_last))``, ODE outside.
+
+    ``s`` from :func:`mixgrpo_start` (``random``: uniform in ``[0, N − skip_last − size]``).
+    Defaults: the authors' FLUX script (progressive, w = 4, stride 1, τ = 25, roll back; decay
+    τ_max 10, τ_min 1; exp-decay from s_0 = 13 at k = 0.1) and their bound ``max_timesteps = N − 2``
+    (``skip_last=2``: the last two steps are never SDE).
+    """
+    n = sigmas.numel() - 1
+    end = n - skip_last
+    if end < 1:
+        _fail("step schedule", "mixgrpo", "skip_last", f"leaves no step of the {n} to train")
+    if strategy == "random":  # uniform in [0, end − size], every iteration
+        s = int(torch.randint(0, max(end - size, 0) + 1, (1,), generator=generator))
+    else:
+        taus = (interval, min_interval, max_interval, decay_from, decay_rate)
+        s = mixgrpo_start(
+            iteration, end, stride, lambda s: mixgrpo_interval(s, end, strategy, *taus), roll_back
+        )
+    sde = torch.zeros(n, dtype=torch.bool)
+    sde[s : min(s + size, end)] = True
+    return _steps_plan(sigmas, sde)
+
+
+def _check_mixgrpo(o: dict) -> None:
+    _one_of("mixgrpo", "strategy", o["strategy"], MIXGRPO_STRATEGIES)
+    for key in ("size", "stride", "interval", "min_interval", "max_interval"):
+        if o[key] < 1:
+            _fail("step schedule", "mixgrpo", key, f"must be >= 1, got {o[key]}")
+    for key in ("skip_last", "decay_from", "decay_rate"):
+        if o[key] < 0:
+            _fail("step schedule", "mixgrpo", key, f"must be >= 0, got {o[key]}")
+
+
+# --- 3. TempFlow-GRPO: branch steps ---
+
+TEMPFLOW_BRANCHES = ("all", "uniform", "cycle")
+
+
+def tempflow(sigmas, *, level, iteration, total, generator, branches="all", skip_last=1) -> StepPlan:
+    """TempFlow-GRPO's trajectory branching: a branch plan whose SDE (and trained) steps are the branch
+    points among steps ``0 … N − 1 − skip_last``.
+
+    ``all``: every one of them, each on its own branch (the authors' code: ``timesteps[:-1]``).
+    ``uniform``: one ``k`` drawn uniformly from ``generator``. ``cycle``: ``k = iteration mod K``.
+    """
+    n = sigmas.numel() - 1
+    count = n - skip_last
+    if count < 1:
+        _fail("step schedule", "tempflow", "skip_last", f"leaves no branch step among the {n}")
+    sde = torch.zeros(n, dtype=torch.bool)
+    if branches == "all":
+        sde[:count] = True
+    elif branches == "uniform":
+        sde[int(torch.randint(0, count, (1,), generator=generator))] = True
+    else:
+        sde[iteration % count] = True
+    return _steps_plan(sigmas, sde, branch=True)
+
+
+def _check_tempflow(o: dict) -> None:
+    _one_of("tempflow", "branches", o["branches"], TEMPFLOW_BRANCHES)
+    if o["skip_last"] < 0:
+        _fail("step schedule", "tempflow", "skip_last", f"must be >= 0, got {o['skip_last']}")
+
+
+# --- 4. E-GRPO: merged high-entropy steps ---
+
+
+def flow_sde_std(sigma: torch.Tensor, sigma_next: torch.Tensor, level: float) -> torch.Tensor:
+    """Flow-SDE's transition std ``g(σ, σ')·√(σ − σ')`` for one step σ → σ' (merged or not), as
+    ``flowcredit.sde.flow_sde_step`` computes it (``σ̃ = σ'`` at σ = 1, so a step from σ = 1 has
+    std = a whatever σ')."""
+    return flow_sde_g(sigma, sigma_next, level) * torch.sqrt(sigma - sigma_next)
+
+
+def step_entropy(std: torch.Tensor) -> torch.Tensor:
+    """Differential entropy per latent dimension of ``N(μ, std²)``: ``½·log(2πe) + log std``."""
+    return _HALF_LOG_2PI_E + torch.log(std)
+
+
+def merge_units(
+    sigmas: torch.Tensor, level: float, threshold: float, horizon: float
+) -> list[tuple[int, int]]:
+    """E-GRPO's merged SDE steps as ``(k, m)``: input steps ``k … k + m − 1`` become one step σ_k → σ_{k+m}.
+
+    From k = 0: m is the smallest count with ``H(k, m) = step_entropy(flow_sde_std(σ_k, σ_{k+m}, a))
+    ≥ threshold`` (a step already at the threshold stays alone, m = 1); the next unit starts at k + m.
+    Units stop at the first one that cannot reach the threshold or ends past ``⌊horizon·N⌋``.
+    """
+    n = sigmas.numel() - 1
+    s = sigmas.double()
+    limit = math.floor(horizon * n + 1e-9)
+    units, k = [], 0
+    while k < n:
+        ends = torch.arange(k + 1, n + 1)
+        entropy = step_entropy(flow_sde_std(s[k].expand(len(ends)), s[ends], level))
+        reach = torch.nonzero(entropy >= threshold, as_tuple=True)[0]
+        if reach.numel() == 0 or int(ends[reach[0]]) > limit:
+            break
+        m = int(reach[0]) + 1
+        units.append((k, m))
+        k += m
+    return units
+
+
+def merged_plan(sigmas: torch.Tensor, units: list[tuple[int, int]], branch: bool) -> StepPlan:
+    """The plan on the grid where each unit ``(k, m)`` is one SDE (trained) step σ_k → σ_{k+m}; every
+    other input step is an ODE step of its own."""
+    n = sigmas.numel() - 1
+    inner = {k + j for k, m in units for j in range(1, m)}
+    index = torch.tensor([i for i in range(n + 1) if i not in inner])
+    starts = {k for k, _ in units}
+    sde = torch.tensor([int(i) in starts for i in index[:-1]], dtype=torch.bool)
+    return StepPlan(sigmas[index], sde, sde.clone(), index, branch)
+
+
+def egrpo(sigmas, *, level, iteration, total, generator, threshold=1.0, horizon=0.5, branch=True) -> StepPlan:
+    """E-GRPO: :func:`merge_units` of the grid at the sampler level ``a``, as a merged-grid plan.
+
+    ``branch=True`` (the authors' code): each merged step is explored on its own branch off the ODE
+    trajectory; ``False``: all merged SDE steps in one trajectory (the abstract's wording).
+    """
+    units = merge_units(sigmas, level, threshold, horizon)
+    if not units:
+        _fail("step schedule", "egrpo", "threshold", f"{threshold} is reached by no step within the horizon")
+    return merged_plan(sigmas, units, branch)
+
+
+def _check_egrpo(o: dict) -> None:
+    if not 0 < o["horizon"] <= 1:
+        _fail("step schedule", "egrpo", "horizon", f"must lie in (0, 1], got {o['horizon']}")
+
+
+# --- per-step loss weights ---
+
+
+def uniform_weights(sigmas, trained, std=None) -> torch.Tensor:
+    """1 on every trained step, 0 elsewhere (the loss as it is today)."""
+    return trained.float()
+
+
+def tempflow_weights(sigmas, trained, std=None, *, normalize=True) -> torch.Tensor:
+    """TempFlow-GRPO's noise-aware weighting: ``w_i = s_i / mean_{j trained} s_j`` with the exploration
+    std ``s_i = σ_i·√Δt_i`` (the sampler's per-step ``std (M,)``); ``normalize=False``: ``w_i = s_i``.
+
+    The authors' code multiplies each step's loss by ``c·s_i`` with c = 2.25 (SD3.5, a = 0.7, 9 of 10
+    steps trained) or 1.73 (FLUX, a = 0.9): the reciprocal of that mean (2.241, 1.726), rounded.
+    """
+    if std is None or std.shape != trained.shape:
+        got = None if std is None else tuple(std.shape)
+        raise ValueError(f"tempflow weights need the per-step std of shape ({trained.numel()},), got {got}")
+    scale = std.float().clone()
+    if normalize:
+        mean = scale[trained].mean()
+        if not bool(mean > 0):
+            raise ValueError("tempflow weights: the trained steps have std 0 (ODE steps cannot be weighted)")
+        scale = scale / mean
+    return torch.where(trained, scale, torch.zeros_like(scale))
+
+
+def grpo_guard_weights(sigmas, trained, std=None, *, normalize=False) -> torch.Tensor:
+    """GRPO-Guard's per-step gradient reweighting: ``w_i = 1/Δt_i``, ``Δt_i = σ_i − σ_{i+1}`` (their
+    code: ``policy_loss / sqrt_dt.mean()**2``); ``normalize=True`` divides by its mean over trained steps.
+
+    Paired in the paper with RatioNorm, whose ratio ``exp(std_i·(Δlogp + bias))`` has a gradient ∝ Δt_i;
+    1/Δt makes the steps' gradients equal in scale.
+    """
+    w = 1.0 / (sigmas[:-1] - sigmas[1:]).double()
+    if normalize:
+        w = w / w[trained].mean()
+    return torch.where(trained, w, torch.zeros_like(w)).float()
+
+
+# --- registries ---
+
+ScheduleFn = Callable[..., StepPlan]
+"""``(sigmas (N + 1,), *, level, iteration, total, generator, **options) -> StepPlan``."""
+WeightFn = Callable[..., torch.Tensor]
+"""``(sigmas (M + 1,), trained (M,), std (M,) | None, **options) -> (M,)``."""
+
+
+@dataclass(frozen=True)
+class StepSchedule:
+    """A registered step schedule: its function, its options' defaults, their check, and the config
+    fields that give some options (``window``'s ``start``/``size``: ``window_start``/``window_size``)."""
+
+    fn: ScheduleFn
+    options: Mapping[str, object] = field(default_factory=dict)
+    validate: Callable[[dict], None] | None = None
+    fields: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepWeight:
+    """A registered per-step loss weight: its function, its options' defaults and their check."""
+
+    fn: WeightFn
+    options: Mapping[str, object] = field(default_factory=dict)
+    validate: Callable[[dict], None] | None = None
+
+
+STEP_SCHEDULES: dict[str, StepSchedule] = {}
+"""Every step schedule by name."""
+
+STEP_WEIGHTS: dict[str, StepWeight] = {}
+"""Every per-step loss weight by name."""
+
+
+def _options(kind: str, name: str, fn: Callable, shared, options) -> dict:
+    """``options``, or (None) the defaults of ``fn``'s own keywords; ``fn`` must take them all."""
+    params = inspect.signature(fn).parameters
+    if options is None:
+        skip = {"sigmas", "trained", "std", *shared}
+        options = {k: p.default for k, p in params.items() if k not in skip and p.default is not p.empty}
+    for key in (*shared, *options):
+        if key not in params:
+            raise ValueError(f"{kind} {name!r}: its function takes no keyword {key!r}")
+    return dict(options)
+
+
+def register_step_schedule(name, fn, options=None, validate=None, fields=None) -> StepSchedule:
+    """Register ``fn`` under ``name``. ``options`` (None: the defaults of ``fn``'s own keywords) are
+    ``{keyword: default}``; a taken name, or an option or shared keyword (level, iteration, total,
+    generator) that ``fn`` does not take, is a ``ValueError``."""
+    if name in STEP_SCHEDULES:
+        raise ValueError(f"step schedule {name!r} is already registered")
+    options = _options("step schedule", name, fn, _SCHEDULE_KEYWORDS, options)
+    fields = dict(fields or {})
+    if set(fields) - set(options):
+        raise ValueError(f"step schedule {name!r}: fields name options it does not have")
+    STEP_SCHEDULES[name] = StepSchedule(fn, options, validate, fields)
+    return STEP_SCHEDULES[name]
+
+
+def register_step_weight(name, fn, options=None, validate=None) -> StepWeight:
+    """Register ``fn`` under ``name`` (``options`` as :func:`register_step_schedule`'s)."""
+    if name in STEP_WEIGHTS:
+        raise ValueError(f"step weight {name!r} is already registered")
+    options = _options("step weight", name, fn, (), options)
+    STEP_WEIGHTS[name] = StepWeight(fn, options, validate)
+    return STEP_WEIGHTS[name]
+
+
+def resolve_options(kind: str, name: str, entry, given: Mapping | None) -> dict:
+    """``entry``'s defaults with ``given`` applied: an unknown option or a value whose type is not the
+    default's (an int passes for a float) is a one-line ``ValueError`` naming it; then the entry's check."""
+    options = dict(entry.options)
+    known = ", ".join(sorted(entry.options)) or "none"
+    for key, value in (given or {}).items():
+        if key not in entry.options:
+            raise ValueError(f"{kind} {name!r} has no option {key!r} (options: {known})")
+        default = entry.options[key]
+        ok = type(value) is type(default) or (type(default) is float and type(value) is int)
+        if default is not None and not ok:
+            raise ValueError(
+                f"{kind} {name!r}: option {key!r} must be {type(default).__name__}, got {value!r}"
+            )
+        options[key] = value
+    if entry.validate is not None:
+        entry.validate(options)
+    return options
+
+
+def make_plan(name, sigmas, *, level, iteration, total, generator, options=None) -> StepPlan:
+    """The plan of schedule ``name`` for one iteration (options resolved and checked)."""
+    if name not in STEP_SCHEDULES:
+        raise ValueError(f"unknown step schedule {name!r}; registered: {', '.join(sorted(STEP_SCHEDULES))}")
+    entry = STEP_SCHEDULES[name]
+    opts = resolve_options("step schedule", name, entry, options)
+    return entry.fn(sigmas, level=level, iteration=iteration, total=total, generator=generator, **opts)
+
+
+def step_weights(name, sigmas, trained, std=None, options=None) -> torch.Tensor:
+    """Weights ``(M,)`` of entry ``name`` (options resolved and checked)."""
+    if name not in STEP_WEIGHTS:
+        raise ValueError(f"unknown step weight {name!r}; registered: {', '.join(sorted(STEP_WEIGHTS))}")
+    entry = STEP_WEIGHTS[name]
+    return entry.fn(sigmas, trained, std, **resolve_options("step weight", name, entry, options))
+
+
+def _check_window(o: dict) -> None:
+    for key in ("start", "size"):
+        if o[key] < 0:
+            _fail("step schedule", "window", key, f"must be >= 0, got {o[key]}")
+
+
+register_step_schedule(
+    "window", window, validate=_check_window, fields={"start": "window_start", "size": "window_size"}
+)
+register_step_schedule("mixgrpo", mixgrpo, validate=_check_mixgrpo)
+register_step_schedule("tempflow", tempflow, validate=_check_tempflow)
+register_step_schedule("egrpo", egrpo, validate=_check_egrpo)
+register_step_weight("uniform", uniform_weights)
+register_step_weight("tempflow", tempflow_weights)
+register_step_weight("grpo_guard", grpo_guard_weights)
