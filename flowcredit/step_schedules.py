@@ -1,6 +1,5 @@
-"""Which steps explore and train (step schedules), and how much each trained step's loss counts
-(per-step loss weights); docs/algorithms.md, "Which steps explore and train: step schedules" and
-"Per-step loss weights".
+"""Which steps explore and train (step schedules); docs/algorithms.md, "Which steps explore and
+train: step schedules". The per-step loss weights are in :mod:`flowcredit.step_weights`.
 
 A **step schedule** turns the sampling grid ``sigmas (N + 1,)`` of one iteration into a
 :class:`StepPlan`: the grid the rollout follows (the input grid, or a coarser one whose steps merge
@@ -9,9 +8,6 @@ runs of input steps), which of its steps are SDE steps (explore) and which are t
 **options) -> StepPlan``: a plan depends on the iteration and the generator only, so a resumed run
 draws the plan the uninterrupted one would have. Options live with the entry (defaults, one-line
 errors naming the option), not in the config.
-
-A **per-step loss weight** (:data:`STEP_WEIGHTS`) is ``fn(sigmas (M + 1,), trained (M,), std (M,) |
-None, **options) -> (M,)``: the factor on each trained step's policy loss (0 on untrained steps).
 
 Entries and where they deviate from their paper or code:
 1. ``window``: today's fixed window ``[start, start + size)`` (``size`` 0: every step from ``start``
@@ -28,8 +24,6 @@ Entries and where they deviate from their paper or code:
    Gaussian entropy reaches ``threshold``. The entropy measure and threshold value are our reading:
    they reproduce the units of the authors' released run (16 steps, shift 3, a = 0.7: steps 0, 1,
    2–3, 4–6) but not the τ ≈ 2.2 a summary of the paper quotes.
-Weights: ``uniform`` (1), ``tempflow`` (exploration std over its mean on trained steps; the code
-hard-codes the reciprocal mean, 2.25 / 1.73), ``grpo_guard`` (1/Δt, arXiv 2510.22319's code).
 """
 
 from __future__ import annotations
@@ -310,52 +304,10 @@ def _check_egrpo(o: dict) -> None:
         _fail("step schedule", "egrpo", "horizon", f"must lie in (0, 1], got {o['horizon']}")
 
 
-# --- per-step loss weights ---
-
-
-def uniform_weights(sigmas, trained, std=None) -> torch.Tensor:
-    """1 on every trained step, 0 elsewhere (the loss as it is today)."""
-    return trained.float()
-
-
-def tempflow_weights(sigmas, trained, std=None, *, normalize=True) -> torch.Tensor:
-    """TempFlow-GRPO's noise-aware weighting: ``w_i = s_i / mean_{j trained} s_j`` with the exploration
-    std ``s_i = σ_i·√Δt_i`` (the sampler's per-step ``std (M,)``); ``normalize=False``: ``w_i = s_i``.
-
-    The authors' code multiplies each step's loss by ``c·s_i`` with c = 2.25 (SD3.5, a = 0.7, 9 of 10
-    steps trained) or 1.73 (FLUX, a = 0.9): the reciprocal of that mean (2.241, 1.726), rounded.
-    """
-    if std is None or std.shape != trained.shape:
-        got = None if std is None else tuple(std.shape)
-        raise ValueError(f"tempflow weights need the per-step std of shape ({trained.numel()},), got {got}")
-    scale = std.float().clone()
-    if normalize:
-        mean = scale[trained].mean()
-        if not bool(mean > 0):
-            raise ValueError("tempflow weights: the trained steps have std 0 (ODE steps cannot be weighted)")
-        scale = scale / mean
-    return torch.where(trained, scale, torch.zeros_like(scale))
-
-
-def grpo_guard_weights(sigmas, trained, std=None, *, normalize=False) -> torch.Tensor:
-    """GRPO-Guard's per-step gradient reweighting: ``w_i = 1/Δt_i``, ``Δt_i = σ_i − σ_{i+1}`` (their
-    code: ``policy_loss / sqrt_dt.mean()**2``); ``normalize=True`` divides by its mean over trained steps.
-
-    Paired in the paper with RatioNorm, whose ratio ``exp(std_i·(Δlogp + bias))`` has a gradient ∝ Δt_i;
-    1/Δt makes the steps' gradients equal in scale.
-    """
-    w = 1.0 / (sigmas[:-1] - sigmas[1:]).double()
-    if normalize:
-        w = w / w[trained].mean()
-    return torch.where(trained, w, torch.zeros_like(w)).float()
-
-
 # --- registries ---
 
 ScheduleFn = Callable[..., StepPlan]
 """``(sigmas (N + 1,), *, level, iteration, total, generator, **options) -> StepPlan``."""
-WeightFn = Callable[..., torch.Tensor]
-"""``(sigmas (M + 1,), trained (M,), std (M,) | None, **options) -> (M,)``."""
 
 
 @dataclass(frozen=True)
@@ -369,23 +321,11 @@ class StepSchedule:
     fields: Mapping[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class StepWeight:
-    """A registered per-step loss weight: its function, its options' defaults and their check."""
-
-    fn: WeightFn
-    options: Mapping[str, object] = field(default_factory=dict)
-    validate: Callable[[dict], None] | None = None
-
-
 STEP_SCHEDULES: dict[str, StepSchedule] = {}
 """Every step schedule by name."""
 
-STEP_WEIGHTS: dict[str, StepWeight] = {}
-"""Every per-step loss weight by name."""
 
-
-def _options(kind: str, name: str, fn: Callable, shared, options) -> dict:
+def entry_options(kind: str, name: str, fn: Callable, shared, options) -> dict:
     """``options``, or (None) the defaults of ``fn``'s own keywords; ``fn`` must take them all."""
     params = inspect.signature(fn).parameters
     if options is None:
@@ -403,21 +343,12 @@ def register_step_schedule(name, fn, options=None, validate=None, fields=None) -
     generator) that ``fn`` does not take, is a ``ValueError``."""
     if name in STEP_SCHEDULES:
         raise ValueError(f"step schedule {name!r} is already registered")
-    options = _options("step schedule", name, fn, _SCHEDULE_KEYWORDS, options)
+    options = entry_options("step schedule", name, fn, _SCHEDULE_KEYWORDS, options)
     fields = dict(fields or {})
     if set(fields) - set(options):
         raise ValueError(f"step schedule {name!r}: fields name options it does not have")
     STEP_SCHEDULES[name] = StepSchedule(fn, options, validate, fields)
     return STEP_SCHEDULES[name]
-
-
-def register_step_weight(name, fn, options=None, validate=None) -> StepWeight:
-    """Register ``fn`` under ``name`` (``options`` as :func:`register_step_schedule`'s)."""
-    if name in STEP_WEIGHTS:
-        raise ValueError(f"step weight {name!r} is already registered")
-    options = _options("step weight", name, fn, (), options)
-    STEP_WEIGHTS[name] = StepWeight(fn, options, validate)
-    return STEP_WEIGHTS[name]
 
 
 def resolve_options(kind: str, name: str, entry, given: Mapping | None) -> dict:
@@ -449,14 +380,6 @@ def make_plan(name, sigmas, *, level, iteration, total, generator, options=None)
     return entry.fn(sigmas, level=level, iteration=iteration, total=total, generator=generator, **opts)
 
 
-def step_weights(name, sigmas, trained, std=None, options=None) -> torch.Tensor:
-    """Weights ``(M,)`` of entry ``name`` (options resolved and checked)."""
-    if name not in STEP_WEIGHTS:
-        raise ValueError(f"unknown step weight {name!r}; registered: {', '.join(sorted(STEP_WEIGHTS))}")
-    entry = STEP_WEIGHTS[name]
-    return entry.fn(sigmas, trained, std, **resolve_options("step weight", name, entry, options))
-
-
 def _check_window(o: dict) -> None:
     for key in ("start", "size"):
         if o[key] < 0:
@@ -469,6 +392,3 @@ register_step_schedule(
 register_step_schedule("mixgrpo", mixgrpo, validate=_check_mixgrpo)
 register_step_schedule("tempflow", tempflow, validate=_check_tempflow)
 register_step_schedule("egrpo", egrpo, validate=_check_egrpo)
-register_step_weight("uniform", uniform_weights)
-register_step_weight("tempflow", tempflow_weights)
-register_step_weight("grpo_guard", grpo_guard_weights)

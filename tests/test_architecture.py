@@ -8,7 +8,10 @@ from pathlib import Path
 import flowcredit
 
 ROOT = Path(flowcredit.__file__).parent
-MATH_CORE = ("schedule", "sde", "values", "advantages", "calibration", "losses", "updates", "step_schedules")
+MATH_CORE = (
+    *("schedule", "sde", "values", "advantages", "calibration", "losses"),
+    *("updates", "step_schedules", "step_weights"),
+)
 
 
 def module_name(path: Path) -> str:

@@ -10,17 +10,15 @@ from flowcredit.run.rollout import noise_levels
 from flowcredit.schedule import exponential_shift_sigmas, resolution_shift_mu, sigmas
 from flowcredit.step_schedules import (
     STEP_SCHEDULES,
-    STEP_WEIGHTS,
     StepPlan,
     flow_sde_std,
     make_plan,
     merge_units,
     plan_levels,
     register_step_schedule,
-    register_step_weight,
     step_entropy,
-    step_weights,
 )
+from flowcredit.step_weights import STEP_WEIGHTS, register_step_weight, step_weights
 
 T, F = True, False
 LINEAR5 = torch.tensor([1.0, 0.8, 0.6, 0.4, 0.2, 0.0])  # sigmas(5), no shift
