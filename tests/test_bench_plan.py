@@ -109,3 +109,21 @@ def test_variants_are_paired_with_their_own_preset():
     got = ablation_differences(results)
     assert set(got) == {"tp_grpo-beta"}
     assert got["tp_grpo-beta"]["diff_per_seed"]["train"] == pytest.approx([0.1, 0.2])  # against tp_grpo
+
+
+def test_a_run_saved_before_a_field_was_added_resumes_if_the_field_holds_its_default():
+    """A grid parked before a config field existed resumes under code that has it, as long as the new
+    field keeps the behaviour the run had (its default); its location never counts."""
+    import dataclasses
+
+    from flowcredit.commands.bench import same_settings
+    from flowcredit.config import Config
+
+    now = dataclasses.asdict(Config(run_dir="/b/run"))
+    added = "kl_mode"  # pretend this field is new since the run was saved
+    saved = {k: v for k, v in now.items() if k != added} | {"run_dir": "/a/run"}
+    assert same_settings(saved, now)
+    default = now[added]
+    changed = now | {added: "something else" if isinstance(default, str) else not default}
+    assert not same_settings(saved, changed)
+    assert not same_settings(saved | {"lr": 1.0}, now)

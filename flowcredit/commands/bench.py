@@ -176,7 +176,7 @@ def plan_run(cell: dict, seed: int, runs: Path) -> tuple[Path, Config, str]:
     extra = ["--seed", str(seed), "--run_dir", str(run_dir)]
     cfg = load_config(cell["preset"], None, [*cell["overrides"], *extra])
     saved = run_dir / "config.json"
-    if saved.exists() and _settings(json.loads(saved.read_text())) != _settings(dataclasses.asdict(cfg)):
+    if saved.exists() and not same_settings(json.loads(saved.read_text()), dataclasses.asdict(cfg)):
         raise UserError(f"{run_dir} was run with another config; use another --out or delete it")
     if _finished(run_dir, cfg):
         return run_dir, cfg, "done"
@@ -186,9 +186,16 @@ def plan_run(cell: dict, seed: int, runs: Path) -> tuple[Path, Config, str]:
     return run_dir, cfg, "resume" if resume else "train"
 
 
-def _settings(config: dict) -> dict:
-    """A run's config without its location (a grid moved to another directory or clone still resumes)."""
-    return {k: v for k, v in config.items() if k != "run_dir"}
+def same_settings(saved: dict, now: dict) -> bool:
+    """Whether a run's saved config is ``now`` apart from its location (a grid moved to another
+    directory or clone still resumes) and from fields added since it was written that hold their
+    default (the behaviour it ran with)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    added = {k for k in now if k not in saved and now[k] == defaults.get(k, object())}
+    drop = {"run_dir", *added}
+    return {k: v for k, v in saved.items() if k not in drop} == {
+        k: v for k, v in now.items() if k not in drop
+    }
 
 
 def run_cell(cell: dict, seed: int, runs: Path) -> Path:
