@@ -17,7 +17,12 @@ per-timestep ``compute_log_prob`` read from ``scripts/train_sd3.py`` without run
 module code; the loop around it (ratio, clip, backward, optimizer step) follows its ``main``.
 
 Equal work is checked, not assumed: each side's log-probabilities re-scored by the other's code on the
-same trajectory must agree (the maximum difference is printed).
+same trajectory must agree (the maximum difference is printed), and so must both sides' LoRA gradients
+of one update on the same batch (the relative difference and the cosine are printed). Our side runs
+with Flow-GRPO's ``cfg_uncond_grad: false`` (its ``compute_log_prob`` detaches the unconditional CFG
+branch); the gradient with the library's default (``true``: through both branches) is printed beside
+it, to show what the field changes. ``--max_sequence_length`` sets the T5 length of both sides (0: the
+adapter's default, 16 tokens on the tiny tokenizers; Flow-GRPO encodes 128).
 """
 
 from __future__ import annotations
@@ -157,6 +162,14 @@ def peer_rollout(peer, pipe, embeds, x0, args):
 def peer_update(peer, pipe, params, states, logps, adv, embeds, args):
     """Flow-GRPO's per-timestep clipped update (train_sd3.py's loop at β = 0): every trained
     timestep's loss backpropagated, one optimizer step for the batch (gradient accumulation)."""
+    peer_backward(peer, pipe, states, logps, adv, embeds, args)
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    peer["optimizer"].step()
+    peer["optimizer"].zero_grad(set_to_none=True)
+
+
+def peer_backward(peer, pipe, states, logps, adv, embeds, args):
+    """The backward passes of :func:`peer_update` (the gradient it steps with), no optimizer step."""
     pe, ne, pp, np_ = embeds
     b, k = states.shape[0], args.steps - 1  # timestep_fraction 0.99 of 10: all steps but the last
     sample = {
@@ -169,7 +182,6 @@ def peer_update(peer, pipe, params, states, logps, adv, embeds, args):
         train=types.SimpleNamespace(cfg=True), sample=types.SimpleNamespace(guidance_scale=args.cfg)
     )
     config.sample.noise_level = args.noise_level
-    optimizer = peer["optimizer"]
     for j in range(k):
         _, logp, _, _ = peer["compute_log_prob"](
             pipe.transformer, pipe, sample, j, torch.cat([ne, pe]), torch.cat([np_, pp]), config
@@ -178,9 +190,52 @@ def peer_update(peer, pipe, params, states, logps, adv, embeds, args):
         a = adv[:, j]
         unclipped, clipped = -a * ratio, -a * torch.clamp(ratio, 1.0 - args.clip, 1.0 + args.clip)
         (torch.mean(torch.maximum(unclipped, clipped)) / k).backward()
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+
+
+def our_backward(s, ro, adv, prompts, group):
+    """Our update's backward passes (``step_loss`` of every trained step on all rows, weight 1/K, as
+    ``ppo_update`` runs them at this geometry), no optimizer step."""
+    from flowcredit.train import step_loss
+
+    k, keep = ro.logp.shape[1] - 1, torch.arange(len(group))
+    cond = s.model.encode(prompts)
+    for i in range(k):  # timestep_fraction 0.99 of 10: all steps but the last, as peer_backward
+        step_loss(s, ro, adv, prompts, cond, group, keep, i, 1.0 / k)
+
+
+def lora_gradient(params, backward) -> torch.Tensor:
+    """The flat gradient ``backward()`` leaves on ``params`` (cleared before and after)."""
+    for p in params:
+        p.grad = None
+    backward()
+    flat = torch.cat([p.grad.detach().float().reshape(-1).cpu() for p in params])
+    for p in params:
+        p.grad = None
+    return flat
+
+
+def gradient_check(peer, s, pipe, ro, adv, prompts, group, embeds, args) -> dict:
+    """Both sides' LoRA gradients of one update on the same batch (our trajectory ``ro``, its
+    log-probabilities as the old ones, the same weights): ours with ``cfg_uncond_grad`` false
+    (Flow-GRPO's) and true (the library default), each against the peer's, as the relative
+    difference ``‖g − g_peer‖ / ‖g_peer‖`` and the cosine."""
+    sample_states, old = ro.states.to(s.model.device), ro.logp.to(s.model.device)
+    adv = adv.to(s.model.device)
+    peer_grad = lora_gradient(
+        s.params, lambda: peer_backward(peer, pipe, sample_states, old, adv, embeds, args)
+    )
+    out = {}
+    for through_uncond in (False, True):
+        s.model.cfg_uncond_grad = through_uncond
+        ours = lora_gradient(s.params, lambda: our_backward(s, ro, adv.cpu(), prompts, group))
+        key = "cfg_uncond_grad_true" if through_uncond else "cfg_uncond_grad_false"
+        out[key] = {
+            "rel_diff": ((ours - peer_grad).norm() / peer_grad.norm()).item(),
+            "cosine": torch.nn.functional.cosine_similarity(ours, peer_grad, dim=0).item(),
+        }
+    s.model.cfg_uncond_grad = s.cfg.cfg_uncond_grad
+    out["peer_grad_norm"] = peer_grad.norm().item()
+    return out
 
 
 @torch.no_grad()
@@ -227,6 +282,9 @@ def parse_args(argv):
     ap.add_argument("--cfg", type=float, default=4.5)
     ap.add_argument("--clip", type=float, default=1e-4, help="PPO clip range (Flow-GRPO's SD3 default)")
     ap.add_argument("--lora_rank", type=int, default=32)
+    ap.add_argument(
+        "--max_sequence_length", type=int, default=0, help="T5 tokens (0: the adapter's; Flow-GRPO: 128)"
+    )
     ap.add_argument("--repeats", type=int, default=5, help="timed iterations per side (after one warm-up)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="", help="write the numbers as JSON here")
@@ -264,6 +322,7 @@ def our_session(args, tmp: Path):
         num_steps=args.steps, window_size=0, group_size=args.group, prompts_per_iter=1,
         batch_size=args.group, steps_per_update=args.steps - 1, clip_range=args.clip, beta=0.0,
         lora_rank=args.lora_rank, lora_alpha=float(args.lora_rank), threads=args.threads,
+        max_sequence_length=args.max_sequence_length, cfg_uncond_grad=False,
         log_with="none", run_dir=str(tmp / "run"), reward="jpeg_compressibility",
         train_prompts=str(tmp / "prompts.txt"), eval_prompts=str(tmp / "prompts.txt"),
     )  # fmt: skip
@@ -276,9 +335,9 @@ def our_session(args, tmp: Path):
     return s
 
 
-def measure(peer: dict, s, args) -> tuple[dict, tuple[float, float]]:
-    """Median seconds per phase and side over ``args.repeats`` iterations (after one warm-up), and
-    the cross-checked log-probability differences."""
+def measure(peer: dict, s, args) -> tuple[dict, tuple[float, float], dict]:
+    """Median seconds per phase and side over ``args.repeats`` iterations (after one warm-up), the
+    cross-checked log-probability differences and the gradient check (first iteration)."""
     from flowcredit.run.rollout import rollout, seeded
     from flowcredit.train import ppo_update
 
@@ -293,7 +352,7 @@ def measure(peer: dict, s, args) -> tuple[dict, tuple[float, float]]:
             prompt=prompts, prompt_2=None, prompt_3=None, device=device,
             do_classifier_free_guidance=True, max_sequence_length=model.max_sequence_length,
         )  # fmt: skip  # (prompt, negative, pooled, negative pooled)
-    seconds, checks = {}, None
+    seconds, checks, grads = {}, None, None
     for r in range(args.repeats + 1):
         x0 = torch.randn(args.group, *model.latent_shape, generator=torch.Generator().manual_seed(r))
         adv = torch.randn(args.group, args.steps, generator=torch.Generator().manual_seed(100 + r))
@@ -309,6 +368,8 @@ def measure(peer: dict, s, args) -> tuple[dict, tuple[float, float]]:
         pipe.scheduler.set_timesteps(args.steps, device=device)  # the peer's step looks t up here
         if checks is None:
             checks = cross_check(peer, s, pipe, states, logps, ro, cond, group, embeds, args)
+            s.policy.load_trainable_state(weights)  # the weights ro was sampled with: ratio 1
+            grads = gradient_check(peer, s, pipe, ro, adv, prompts, group, embeds, args)
         s.policy.load_trainable_state(weights)
         update_args = (peer, pipe, s.params, states.to(device), logps, adv.to(device), embeds, args)
         t("peer/update", peer_update, *update_args)
@@ -317,15 +378,16 @@ def measure(peer: dict, s, args) -> tuple[dict, tuple[float, float]]:
         if r > 0:  # the first iteration warms up
             for k, v in t.seconds.items():
                 seconds.setdefault(k, []).append(sum(v))
-    return {k: statistics.median(v) for k, v in seconds.items()}, checks
+    return {k: statistics.median(v) for k, v in seconds.items()}, checks, grads
 
 
-def summarise(args, med: dict, checks) -> dict:
+def summarise(args, med: dict, checks, grads: dict) -> dict:
     """The report (JSON) and its printed table."""
     report = {
         "settings": vars(args),
         "seconds_median": med,
         "logp_max_abs_diff": dict(zip(("ours_on_peer", "peer_on_ours"), checks)),
+        "lora_grad_vs_peer": grads,
     }
     for side in ("peer", "ours"):
         med[f"{side}/iteration"] = med[f"{side}/rollout"] + med[f"{side}/update"]
@@ -346,6 +408,12 @@ def summarise(args, med: dict, checks) -> dict:
         f"same trajectory, max |Δ log p|: ours on the peer's {ours_on_peer:.2e}, "
         f"theirs on ours {peer_on_ours:.2e}"
     )
+    for key, label in (("cfg_uncond_grad_false", "false (Flow-GRPO's)"), ("cfg_uncond_grad_true", "true")):
+        g = grads[key]
+        print(
+            f"same batch, LoRA gradient vs the peer's, cfg_uncond_grad {label}: "
+            f"‖Δg‖/‖g‖ {g['rel_diff']:.2e}, cosine {g['cosine']:.6f}"
+        )
     return report
 
 
@@ -354,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     peer = load_peer(Path(args.peer).resolve())
     with tempfile.TemporaryDirectory() as tmp:
-        med, checks = measure(peer, our_session(args, Path(tmp)), args)
-    report = summarise(args, med, checks)
+        med, checks, grads = measure(peer, our_session(args, Path(tmp)), args)
+    report = summarise(args, med, checks, grads)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -50,6 +50,9 @@ class Config:
     """bf16 autocast for the network (tiny model; weights and sampler maths stay fp32; faster with AMX)."""
     guidance_scale: float = 0.0
     """Classifier-free guidance weight; 0 keeps the model's default."""
+    max_sequence_length: int = 0
+    """Text tokens of a diffusers adapter's prompt encoding (SD3/FLUX.1: T5; Qwen-Image, Z-Image: the
+    LLM encoder; Wan: UMT5; docs/gpu.md), training and evaluation alike; 0: the adapter's default."""
     # --- task and reward ---
     reward: str = "shapes"
     """Reward: a registry name, 'pkg.mod:fn', or a weighted mix 'name=w,name=w'."""
@@ -146,6 +149,8 @@ class Config:
     """KL coefficient β to the reference policy."""
     kl_mode: str = "exact"
     """'exact' Gaussian KL or 'flow_grpo' (their g² normaliser)."""
+    cfg_uncond_grad: bool = True
+    """The update backpropagates through CFG's unconditional branch too (false: detached, as Flow-GRPO)."""
     max_grad_norm: float = 1.0
     """Gradient-norm clip."""
     inner_epochs: int = 1

@@ -15,7 +15,7 @@ from flowcredit.advantages import CREDITS
 from flowcredit.config import LOG_WITH, LORA_FORWARDS, TRAIN_PARAMS, Config, parse_value, trained_window
 from flowcredit.errors import ConfigError, UserError
 from flowcredit.losses import KL_MODES
-from flowcredit.models.registry import MODELS, is_model_spec
+from flowcredit.models.registry import MODELS, VIDEO_MODELS, check_num_frames, is_model_spec
 from flowcredit.sde import LOGP_MODES, SAMPLER_ENTRIES
 from flowcredit.tasks.prompt_sets import PROMPT_WEIGHTS
 from flowcredit.values import ESTIMATORS
@@ -153,6 +153,7 @@ def validate(cfg: Config) -> Config:
     dtypes = ("auto", "float32", "bfloat16", "float16")
     _check(cfg.dtype in dtypes, "dtype", f"{cfg.dtype!r} is not one of {dtypes}")
     _check(cfg.resolution >= 0, "resolution", "must be >= 0")
+    _check(cfg.max_sequence_length >= 0, "max_sequence_length", "must be >= 0 (0: the adapter's default)")
     _check(
         cfg.device == "cpu" or cfg.device.split(":")[0] == "cuda",
         "device",
@@ -166,6 +167,8 @@ def validate(cfg: Config) -> Config:
 def _check_video_and_eval(cfg: Config) -> None:
     """The video fields and the evaluation settings apart from training's."""
     _check(cfg.num_frames >= 0, "num_frames", "must be >= 0 (0: the model's default)")
+    if cfg.model in MODELS:  # an import path's adapter is checked once loaded (load_model)
+        check_num_frames(cfg.num_frames, cfg.model, cfg.model in VIDEO_MODELS)
     _check(cfg.reward_frame_stride >= 1, "reward_frame_stride", "must be >= 1 (1: every frame)")
     _check(cfg.eval_num_steps >= 0, "eval_num_steps", "must be >= 0 (0: num_steps)")
     _check(cfg.eval_guidance_scale >= 0, "eval_guidance_scale", "must be >= 0 (0: the training one)")

@@ -249,3 +249,78 @@ def test_train_every_method(dirs, kind, preset, tmp_path):
     numbers = {k: v for k, v in last.items() if isinstance(v, float) and not k.endswith("/strict")}
     assert all(math.isfinite(v) for v in numbers.values()), last
     assert (run / "final" / LORA_WEIGHTS).is_file() and (run / "grid_after_test.png").is_file()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_max_sequence_length_sets_the_text_tokens(dirs, kind):
+    """The config field through ``load_model``: Wan's UMT5 embeddings are padded (or cut) to ``n``;
+    Qwen-Image's and Z-Image's LLM embeddings are cut to ``n`` (a longer limit leaves these short
+    prompts as they are: neither keeps padding beyond the batch's longest prompt). The negative prompt
+    is encoded with the same limit."""
+    from flowcredit.config import Config
+    from flowcredit.models import load_model
+
+    def lengths(n: int) -> tuple[list[int], list[int]]:
+        extra = {"num_frames": WAN_FRAMES} if kind == "wan" else {}
+        cfg = Config(model=kind, checkpoint=str(dirs[kind]), resolution=SIZE, dtype="float32", **extra)
+        cfg.max_sequence_length = n
+        cond = load_model(cfg).encode(PROMPTS)
+        rows = [len(e) for e in cond.embeds] if kind == "z_image" else [cond.embeds.shape[1]] * 3
+        null = [len(e) for e in cond.null.embeds] if kind == "z_image" else [cond.null.embeds.shape[1]]
+        return rows, null
+
+    default = lengths(0)
+    assert lengths(3) == ([3, 3, 3], [3])
+    if kind == "wan":
+        assert default == ([16, 16, 16], [16]) and lengths(40) == ([40, 40, 40], [40])
+    else:
+        assert max(default[0]) > 3 and lengths(40) == default
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cfg_uncond_grad_detaches_the_negative_branch(dirs, kind):
+    """``cfg_uncond_grad`` false: the LoRA gradient equals the hand-built one whose negative-prompt
+    velocity is a constant (each model's own CFG: Wan ``v_neg + w·(v_cond − v_neg)``, Z-Image
+    ``v_cond + w·(v_cond − v_neg)``, Qwen-Image with its norm rescale); true: it differs. The
+    velocity itself is the same either way."""
+    model = load(dirs, kind)
+    policy = Policy(model, "lora", 4, 8.0, "default")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.net.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    x, sigma = inputs(model)
+    cond, weights, w = model.encode(PROMPTS), torch.randn(x.shape, generator=g), model.guidance_scale
+
+    def lora_grads(velocity) -> list[torch.Tensor]:
+        for p in policy.parameters():
+            p.grad = None
+        (velocity() * weights).sum().backward()
+        return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in policy.parameters()]
+
+    def by_hand() -> torch.Tensor:
+        model.guidance_scale = 0.0 if kind == "z_image" else 1.0  # one conditional pass
+        v_cond = model.velocity(x, sigma, cond)
+        with torch.no_grad():
+            v_neg = model.velocity(x, sigma, cond.null.expand(3))
+        model.guidance_scale = w
+        if kind == "z_image":
+            return v_cond + w * (v_cond - v_neg)
+        v = v_neg + w * (v_cond - v_neg)
+        if kind == "wan":
+            return v
+        comb, norm = pack(v), pack(v_cond).norm(dim=-1, keepdim=True)
+        return unpack(comb * norm / comb.norm(dim=-1, keepdim=True), *model.latent_shape[1:])
+
+    grads, values = {}, {}
+    for through_uncond in (True, False):
+        model.cfg_uncond_grad = through_uncond
+        grads[through_uncond] = lora_grads(lambda: model.velocity(x, sigma, cond))
+        with torch.no_grad():
+            values[through_uncond] = model.velocity(x, sigma, cond)
+    assert torch.equal(values[True], values[False])
+    want = lora_grads(by_hand)
+    for a, b in zip(grads[False], want):  # float rounding apart (the order of Qwen's rescale differs)
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max() + 1e-8
+    assert max((a - b).abs().max().item() for a, b in zip(grads[True], grads[False])) > 1e-4

@@ -133,7 +133,7 @@ def tiny(tmp_path_factory):
         "ocr": None,
         "pickscore": {"pickscore": {"model_dir": str(pick), "divisor": 26, "device": "cpu"}},
     }
-    options["geneval"]["geneval"] |= {"clip_dir": str(geneval_clip), "device": "cpu"}
+    options["geneval"]["geneval"] |= {"clip_dir": str(geneval_clip), "device": "cpu", "jpeg_quality": 75}
     prompts = {"geneval": geneval, "ocr": root / "ocr.txt", "pickscore": root / "text.txt"}
     return {"sd3": sd3, "options": options, "prompts": prompts, "root": root}
 
@@ -145,6 +145,9 @@ def test_one_iteration_of_the_recipe(name, tiny):
     argv = ["train", "--config", str(PAPERS / f"{name}.yaml"), "--checkpoint", str(tiny["sd3"])]
     if tiny["options"][bench] is not None:
         argv += ["--reward_options", json.dumps(tiny["options"][bench])]
+    if bench == "geneval":  # the run's options are the recipe's but for the weights' directories
+        jpeg = json.loads(recipe(name)["reward_options"])["geneval"]["jpeg_quality"]
+        assert tiny["options"][bench]["geneval"]["jpeg_quality"] == jpeg
     prompts = str(tiny["prompts"][bench])
     argv += ["--train_prompts", prompts, "--eval_prompts", prompts, "--run_dir", str(run)]
     argv += ["--log_with", "none", "--threads", "1"]

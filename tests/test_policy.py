@@ -106,3 +106,84 @@ def test_ema_tracks_and_applies():
     with ema.applied():
         torch.testing.assert_close(p.detach(), torch.full((3,), 0.25))
     torch.testing.assert_close(p.detach(), torch.ones(3))
+
+
+def _guided_by_hand(model, x, sigma, cond, detach_null: bool) -> torch.Tensor:
+    """The tiny model's CFG velocity built from its unguided passes, ``v_null`` detached on request."""
+    from flowcredit.models.tiny import TextCond
+
+    both = TextCond.cat([cond, cond.null.expand(len(x))])
+    v_cond, v_null = model.predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
+    if detach_null:
+        v_null = v_null.detach()
+    return v_null + model.guidance_scale * (v_cond - v_null)
+
+
+@pytest.mark.parametrize("through_uncond", [True, False])
+def test_cfg_uncond_grad_detaches_the_unconditional_branch(through_uncond):
+    """``cfg_uncond_grad`` false (Flow-GRPO's ``noise_pred_uncond.detach()``): the LoRA gradient equals
+    the hand-built one with ``v_null`` detached, and nothing flows into the null branch's inputs; true
+    (the default): the gradient of both branches. The forward values are the same either way."""
+    from flowcredit.models.tiny import TextCond
+
+    model = load_builtin()
+    policy = Policy(model, "lora", lora_rank=2, lora_alpha=2.0, seed=0)
+    _perturb(policy.parameters())
+    model.cfg_uncond_grad = through_uncond
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, *model.latent_shape, generator=gen)
+    sigma, weights = torch.tensor([0.8, 0.3]), torch.randn(2, *model.latent_shape, generator=gen)
+    with torch.no_grad():
+        encoded = model.encode(PROMPTS)
+    null = TextCond(encoded.null.tokens.clone().requires_grad_(), encoded.null.mask, encoded.null.pooled)
+    cond = TextCond(encoded.tokens, encoded.mask, encoded.pooled, null)
+
+    def lora_grads(velocity) -> list[torch.Tensor]:
+        for p in policy.parameters():
+            p.grad = None
+        (velocity() * weights).sum().backward()
+        return [p.grad.clone() for p in policy.parameters()]
+
+    got = lora_grads(lambda: model.velocity(x, sigma, cond))
+    null_grad, null.tokens.grad = null.tokens.grad, None
+    same = lora_grads(lambda: _guided_by_hand(model, x, sigma, cond, detach_null=not through_uncond))
+    other = lora_grads(lambda: _guided_by_hand(model, x, sigma, cond, detach_null=through_uncond))
+    for a, b in zip(got, same):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert max((a - b).abs().max().item() for a, b in zip(got, other)) > 1e-4
+    if through_uncond:
+        assert null_grad is not None and null_grad.abs().max() > 0
+    else:
+        assert null_grad is None or not null_grad.any()  # the unconditional branch: zero gradient
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model.velocity(x, sigma, cond), _guided_by_hand(model, x, sigma, cond, False)
+        )
+
+
+def test_cfg_uncond_grad_reaches_the_adapter_and_needs_a_switch(tmp_path):
+    """The config field sets the adapter's switch in the session; an adapter without one refuses
+    ``false`` (it would train through both branches unnoticed)."""
+    from types import SimpleNamespace
+
+    from test_train import small_config
+
+    from flowcredit.errors import ConfigError
+    from flowcredit.run.session import build_session, set_cfg_uncond_grad
+
+    s = build_session(small_config("flow_grpo", tmp_path / "run", cfg_uncond_grad=False))
+    assert s.model.cfg_uncond_grad is False
+    assert load_builtin().cfg_uncond_grad is True  # the default: today's gradient through both
+    set_cfg_uncond_grad(True, SimpleNamespace())  # true asks nothing of an adapter
+    with pytest.raises(ConfigError, match="cfg_uncond_grad"):
+        set_cfg_uncond_grad(False, SimpleNamespace())
+
+
+def test_the_tiny_model_has_no_text_length_to_set():
+    from flowcredit.config import Config
+    from flowcredit.errors import ConfigError
+    from flowcredit.models import load_model
+
+    assert load_model(Config()).guidance_scale > 0  # 0 (the default) asks nothing
+    with pytest.raises(ConfigError, match="max_sequence_length.*no text length"):
+        load_model(Config(max_sequence_length=8))

@@ -200,3 +200,23 @@ def test_a_video_adapter_trains_every_preset(preset, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["iteration"] == 1 and "loss/policy" in rows[-1]
     assert (tmp_path / "run" / "grid_start_test.png").is_file()
+
+
+def load_toy_image(cfg):
+    return ToyVideo(latent_shape=(4, 4, 5))  # (C, H, W): an adapter that makes images
+
+
+def test_num_frames_needs_an_adapter_that_makes_video():
+    """An import path's adapter is known once loaded: ``num_frames`` on one with an image latent is a
+    config error, not silently ignored; on a video adapter it loads."""
+    from flowcredit.config import Config
+    from flowcredit.errors import ConfigError
+    from flowcredit.models import load_model
+
+    video = Config(model="test_video_shapes:load_toy_video", num_frames=5)
+    assert tuple(load_model(validate(video)).latent_shape) == SHAPE
+    image = validate(Config(model="test_video_shapes:load_toy_image", num_frames=5))
+    with pytest.raises(
+        ConfigError, match="'num_frames': 5 frames, but 'test_video_shapes:load_toy_image' makes"
+    ):
+        load_model(image)

@@ -18,6 +18,7 @@ import torch
 
 from flowcredit.errors import ConfigError
 from flowcredit.models.protocol import FlowModelBase
+from flowcredit.models.run_paths import is_run_dir, run_path_problem
 from flowcredit.schedule import resolution_shift_mu
 
 DTYPES = {
@@ -174,18 +175,24 @@ def check_checkpoint(checkpoint: str, pipeline_name: str) -> None:
     """Refuse, with a one-line :class:`ConfigError`, a ``checkpoint`` that cannot be this adapter's
     pipeline: a missing local path, a directory without ``model_index.json`` (e.g. a run's
     ``final/``), or another pipeline class (naming the ``--model`` that loads it). A string shaped
-    like a hub id (``owner/name``) that is not a local path is left to ``from_pretrained``."""
+    like a hub id (``owner/name``) that is not a local path is left to ``from_pretrained``, unless it
+    misspells a path in a run folder (``RUN/fina``)."""
     path = Path(checkpoint).expanduser()
     hub_id = re.fullmatch(r"[\w.-]+/[\w.-]+", checkpoint) is not None and not checkpoint.startswith(".")
     if not path.exists():
-        if not hub_id:
-            raise ConfigError("checkpoint", f"no such directory {checkpoint!r} (nor a hub id 'owner/name')")
+        problem = run_path_problem(checkpoint)  # a misspelt RUN/final is no hub id
+        if problem or not hub_id:
+            raise ConfigError(
+                "checkpoint", problem or f"no such directory {checkpoint!r} (nor a hub id 'owner/name')"
+            )
         return
     index = path / "model_index.json"
     if not index.is_file():
         hint = ""
         if is_run_final(path):
             hint = "; it is a run's final/: sample or evaluate it with 'flowcredit sample/eval --checkpoint'"
+        elif is_run_dir(path):
+            hint = f"; it is a run folder: sample or evaluate its final/ with --checkpoint {path / 'final'}"
         raise ConfigError(
             "checkpoint", f"{checkpoint!r} is not a diffusers pipeline (no model_index.json){hint}"
         )
@@ -214,6 +221,9 @@ class DiffusersFlowModel(FlowModelBase):
     pipeline_name = ""  # the diffusers pipeline class, e.g. "StableDiffusion3Pipeline"
     default_lora_targets = "to_q,to_k,to_v,to_out.0"  # attention projections (the papers' LoRA targets)
     decode_chunk = 8
+    text_length_default = 512  # text tokens by default (clipped to tokenizer_limit()), the pipeline's
+    text_length_cap: int | None = None  # the most the pipeline takes (its check_inputs), None: no bound
+    max_sequence_length: int
 
     def __init__(self, pipe, height: int, width: int, latent_shape: tuple[int, int, int]):
         self.pipe, self.net, self.vae, self.scheduler = pipe, pipe.transformer, pipe.vae, pipe.scheduler
@@ -230,11 +240,19 @@ class DiffusersFlowModel(FlowModelBase):
 
     @classmethod
     def from_pretrained(
-        cls, checkpoint: str, dtype="auto", device=None, resolution=None, guidance_scale=None, **load_kwargs
+        cls,
+        checkpoint: str,
+        dtype="auto",
+        device=None,
+        resolution=None,
+        guidance_scale=None,
+        max_sequence_length=None,
+        **load_kwargs,
     ):
         """Load a hub id or a local pipeline directory: weights in ``dtype`` (VAE in float32), on
-        ``device`` (CUDA if available); ``load_kwargs`` go to the pipeline's ``from_pretrained``
-        (``revision``, ``variant``, ``local_files_only``…)."""
+        ``device`` (CUDA if available), text encoded with ``max_sequence_length`` tokens (None: the
+        adapter's default); ``load_kwargs`` go to the pipeline's ``from_pretrained`` (``revision``,
+        ``variant``, ``local_files_only``…)."""
         import diffusers
 
         check_checkpoint(str(checkpoint), cls.pipeline_name)
@@ -248,7 +266,9 @@ class DiffusersFlowModel(FlowModelBase):
                 "checkpoint", f"cannot load {checkpoint!r} as a {cls.pipeline_name}: {first}"
             ) from exc
         pipe.set_progress_bar_config(disable=True)
-        return cls(pipe, resolution, guidance_scale).to(device or default_device())
+        model = cls(pipe, resolution, guidance_scale)
+        model.set_max_sequence_length(max_sequence_length)
+        return model.to(device or default_device())
 
     @property
     def device(self) -> torch.device:
@@ -270,6 +290,28 @@ class DiffusersFlowModel(FlowModelBase):
         self.net.to(device)
         self._cache = None
         return self
+
+    def tokenizer_limit(self) -> int | None:
+        """The ``model_max_length`` of the tokenizer whose length ``max_sequence_length`` sets (None:
+        not bounded by it); only the default length is clipped to it."""
+        return None
+
+    def default_max_sequence_length(self) -> int:
+        """The text tokens this adapter encodes with when the config leaves ``max_sequence_length`` at 0."""
+        limit = self.tokenizer_limit()
+        return self.text_length_default if limit is None else min(self.text_length_default, int(limit))
+
+    def set_max_sequence_length(self, n: int | None) -> None:
+        """Encode prompts (and the negative prompt) with ``n`` text tokens from now on (None or 0: the
+        default); above the pipeline's bound: ``ConfigError``."""
+        bound = self.text_length_cap
+        if not n:
+            n = self.default_max_sequence_length()
+        elif n < 1 or (bound is not None and n > bound):
+            most = "a positive count" if bound is None else f"at most {bound}"
+            raise ConfigError("max_sequence_length", f"{n} tokens, but {self.pipeline_name} takes {most}")
+        self.max_sequence_length = int(n)
+        self._cache = None
 
     def encode(self, prompts: list[str]) -> PromptCond:
         """Encode ``B`` prompts once (frozen text encoders, no grad); a repeated call with the same list
@@ -307,8 +349,10 @@ class DiffusersFlowModel(FlowModelBase):
         (directory / EXPORT_INFO).write_text(json.dumps(how, indent=1) + "\n")
 
     def pipeline_call_kwargs(self) -> dict:
-        """Keywords a plain ``pipe(prompt, …)`` needs to see the policy's text context (none here)."""
-        return {}
+        """Keywords a plain ``pipe(prompt, …)`` needs to see the policy's text context: the text length
+        it encoded with (``max_sequence_length``; the pipelines' own defaults may differ, e.g. Wan's
+        ``__call__`` pads to 512 where its adapter, as its ``encode_prompt``, pads to 226)."""
+        return {"max_sequence_length": self.max_sequence_length}
 
     def load_trained(self, final: str | Path) -> None:
         """Apply a run's ``final/`` export to this (base) model in place: its LoRA through the
@@ -344,9 +388,11 @@ def save_lora(pipeline_class, net: torch.nn.Module, directory: Path, adapter: st
 
 def pretrained_options(cfg) -> dict:
     """The Config fields every diffusers loader reads: ``dtype`` as given; ``resolution`` and
-    ``guidance_scale`` 0 are the config's documented "model default" (None here)."""
+    ``guidance_scale`` and ``max_sequence_length`` 0 are the config's documented "model default" (None
+    here)."""
     return {
         "dtype": cfg.dtype,
         "resolution": cfg.resolution if cfg.resolution > 0 else None,
         "guidance_scale": cfg.guidance_scale if cfg.guidance_scale > 0 else None,
+        "max_sequence_length": getattr(cfg, "max_sequence_length", 0) or None,
     }

@@ -56,20 +56,33 @@ class FluxFlowModel(DiffusersFlowModel):
         resolution: image side in pixels (int or ``(H, W)``, multiples of 16); 0/None: 1024 (the
             pipeline's default ``128 × vae factor``).
         guidance_scale: distilled-guidance value; None: 3.5 (the FLUX.1-dev pipeline default).
-        max_sequence_length: T5 tokens (512, clipped to the tokenizer's limit).
+        max_sequence_length: T5 tokens (padded to it; at most 512, the pipeline's bound); None: 512,
+            clipped to the tokenizer's ``model_max_length``. The CLIP encoder gives the pooled
+            embedding only.
     """
 
     pipeline_name = "FluxPipeline"
+    text_length_default = 512
+    text_length_cap = 512
 
-    def __init__(self, pipe, resolution=None, guidance_scale: float | None = None, max_sequence_length=512):
+    def __init__(
+        self,
+        pipe,
+        resolution=None,
+        guidance_scale: float | None = None,
+        max_sequence_length: int | None = None,
+    ):
         factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
         h, w = image_size(resolution, 128 * factor, 2 * factor)
         channels = pipe.transformer.config.in_channels // 4
         super().__init__(pipe, h, w, (channels, h // factor, w // factor))
         self.guidance_scale = 3.5 if guidance_scale is None else float(guidance_scale)
-        limit = getattr(pipe.tokenizer_2, "model_max_length", max_sequence_length)
-        self.max_sequence_length = min(int(max_sequence_length), int(limit), 512)
+        self.set_max_sequence_length(max_sequence_length)
         self._img_ids = image_ids(*self.latent_shape[1:])
+
+    def tokenizer_limit(self) -> int | None:
+        """T5's tokenizer ``model_max_length``."""
+        return getattr(self.pipe.tokenizer_2, "model_max_length", None)
 
     def _encode(self, prompts: list[str]) -> PromptCond:
         """The pipeline's ``encode_prompt``: T5 ``embeds (B, L, 4096)``, CLIP ``pooled (B, 768)``; no null."""

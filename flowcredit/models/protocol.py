@@ -103,6 +103,15 @@ class FlowModelBase:
     num_steps: int = 10
     shift: float = 1.0
     default_lora_targets: str | None = None
+    cfg_uncond_grad: bool = True
+    """Whether gradients flow through CFG's unconditional branch (config field ``cfg_uncond_grad``);
+    an adapter honours it by passing that branch's velocity through :meth:`uncond_branch`."""
+
+    def uncond_branch(self, v_uncond: torch.Tensor) -> torch.Tensor:
+        """The unconditional (null / negative-prompt) velocity as the CFG combination takes it:
+        detached when ``cfg_uncond_grad`` is off (Flow-GRPO's ``compute_log_prob``), so the update's
+        gradient reaches the weights through the conditional branch only. No effect without grad."""
+        return v_uncond if self.cfg_uncond_grad else v_uncond.detach()
 
     def sigmas(self, num_steps: int, shift: float) -> torch.Tensor:
         """``flowcredit.schedule.sigmas(num_steps, shift)``; adapters with a scheduler override it."""

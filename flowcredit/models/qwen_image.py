@@ -11,6 +11,7 @@
   default ``" "``, the model card's), ``v = v_neg + w·(v_cond − v_neg)``, then rescaled per token to
   the conditional prediction's norm, ``v·‖v_cond‖/‖v‖`` (norms over each packed token's 4C values),
   all in float32. ``w`` is the pipeline's ``true_cfg_scale`` (default 4.0); ``w == 1``: one pass.
+  ``cfg_uncond_grad = False`` detaches ``v_neg`` (the rescale's norms then see it as a constant).
   Prompt and negative prompt are encoded (and run) separately, as the pipeline does: their token
   lengths differ, and the text mask marks each batch's padding.
 * ``sigmas(N)``: the pipeline's ``linspace(1, 1/N, N)`` through the scheduler's dynamic shift
@@ -68,10 +69,13 @@ class QwenImageFlowModel(DiffusersFlowModel):
             pipeline's ``128 × vae factor``).
         guidance_scale: true-CFG weight; None: 4.0 (the pipeline's ``true_cfg_scale``).
         negative_prompt: the unconditional branch's prompt (``" "``: the model card's).
-        max_sequence_length: text tokens kept (512, the pipeline's default).
+        max_sequence_length: the Qwen2.5-VL text encoder's tokens kept after the chat template's
+            prefix (longer prompts are cut; shorter ones are padded to the batch's longest, masked);
+            at most 1024, the pipeline's bound; None: 512, the pipeline's default.
     """
 
     pipeline_name = "QwenImagePipeline"
+    text_length_cap = 1024
     default_lora_targets = "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out"
 
     def __init__(
@@ -80,7 +84,7 @@ class QwenImageFlowModel(DiffusersFlowModel):
         resolution=None,
         guidance_scale: float | None = None,
         negative_prompt: str = " ",
-        max_sequence_length: int = 512,
+        max_sequence_length: int | None = None,
     ):
         factor = pipe.vae_scale_factor
         h, w = image_size(resolution, pipe.default_sample_size * factor, 2 * factor)
@@ -89,7 +93,7 @@ class QwenImageFlowModel(DiffusersFlowModel):
         self.guidance_scale = 4.0 if guidance_scale is None else float(guidance_scale)
         self.negative_prompt = negative_prompt
         self.num_steps = 50
-        self.max_sequence_length = int(max_sequence_length)
+        self.set_max_sequence_length(max_sequence_length)
 
     def _encode(self, prompts: list[str]) -> QwenCond:
         """The pipeline's ``encode_prompt`` on the prompts (padded to the longest, with its mask) and,
@@ -126,7 +130,7 @@ class QwenImageFlowModel(DiffusersFlowModel):
         v_cond = self.predict(tokens, sigma, cond, h, w)  # (B, T, 4C)
         g = self.guidance_scale
         if g != 1.0:
-            v_neg = self.predict(tokens, sigma, cond.null.expand(b), h, w)
+            v_neg = self.uncond_branch(self.predict(tokens, sigma, cond.null.expand(b), h, w))
             v = v_neg + g * (v_cond - v_neg)
             v_cond = v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
         return unpack(v_cond, h, w).to(x.device)

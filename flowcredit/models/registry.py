@@ -21,11 +21,54 @@ MODELS: dict[str, str] = {
 }
 """Built-in adapters: ``name -> "module:loader"``."""
 
+VIDEO_MODELS = ("wan",)
+"""The built-in adapters that make video, the ones ``num_frames`` applies to (:func:`makes_video`)."""
+
+
+def makes_video(model: FlowModel) -> bool:
+    """Whether an adapter makes video clips: its ``latent_shape`` is ``(C, F, H, W)`` (``protocol.py``)."""
+    return len(model.latent_shape) == 4
+
+
+def check_num_frames(num_frames: int, model_name: str, video: bool) -> None:
+    """Refuse a clip length for an adapter that makes images (``num_frames`` would be ignored)."""
+    if num_frames and not video:
+        raise ConfigError(
+            "num_frames",
+            f"{num_frames} frames, but {model_name!r} makes images, not video; leave num_frames at 0 "
+            f"(only a video model such as {', '.join(map(repr, VIDEO_MODELS))} takes it)",
+        )
+
 
 def is_model_spec(spec: str) -> bool:
     """A registered name or a ``pkg.mod:fn`` import path."""
     module, sep, fn = spec.partition(":")
     return spec in MODELS or bool(sep and module and fn)
+
+
+def apply_text_length(cfg, model) -> None:
+    """``cfg.max_sequence_length`` onto ``model``: > 0 sets the adapter's text length (an adapter without
+    one, such as the built-in tiny model, raises); 0 requires the adapter's default, so that a length
+    set from Python (``SD3FlowModel(pipe, max_sequence_length=128)`` given to ``build_session``) cannot
+    run unrecorded: the run's ``config.json`` names every text length it used."""
+    n = getattr(cfg, "max_sequence_length", 0)
+    name = type(model).__name__
+    if not hasattr(model, "set_max_sequence_length"):
+        if n:
+            raise ConfigError(
+                "max_sequence_length", f"{n}, but the {name} adapter has no text length to set; leave it 0"
+            )
+        return
+    if n:
+        model.set_max_sequence_length(n)
+        return
+    default = model.default_max_sequence_length()
+    if model.max_sequence_length != default:
+        raise ConfigError(
+            "max_sequence_length",
+            f"0 (the {name} default, {default}), but the model given encodes {model.max_sequence_length} "
+            f"tokens: set max_sequence_length={model.max_sequence_length} so that config.json records it",
+        )
 
 
 def load_model(cfg) -> FlowModel:
@@ -39,8 +82,10 @@ def load_model(cfg) -> FlowModel:
         raise ConfigError("model", f"cannot import {target!r}: {exc}") from exc
     model = loader(cfg)
     check_adapter(model, cfg.model)
+    check_num_frames(getattr(cfg, "num_frames", 0), cfg.model, makes_video(model))  # pkg.mod:load ones
     if cfg.guidance_scale > 0:  # 0: the documented "keep the model's default"
         model.guidance_scale = cfg.guidance_scale
+    apply_text_length(cfg, model)
     if cfg.autocast:
         if not hasattr(model, "autocast"):
             raise ConfigError("autocast", f"the {cfg.model!r} adapter has no autocast switch; see 'dtype'")

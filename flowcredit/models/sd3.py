@@ -7,6 +7,11 @@
   ``x + (σ' − σ)·model_output``, exactly our Euler step.
 * Classifier-free guidance: the conditional and empty-prompt branches run as one batch of ``2B`` and
   combine in float32, ``v_null + w·(v_cond − v_null)``; ``w == 1`` runs only the conditional branch.
+  ``cfg_uncond_grad = False`` detaches ``v_null`` (Flow-GRPO's update).
+* Text: the CLIP-L and CLIP-G embeddings (77 tokens, their tokenizers' length) are followed by
+  ``max_sequence_length`` T5 tokens, padded to that length for every prompt and the empty one alike
+  (256 by default, as the pipeline's; Flow-GRPO encodes 128). SD3's joint attention attends to the
+  padding tokens too, so the length changes the velocity even for short prompts.
 * ``sigmas(N)`` is the scheduler's own schedule for the checkpoint (SD3.5: shift 3.0, ending at a
   small σ before the appended 0), not ``flowcredit.schedule.sigmas``.
 """
@@ -32,20 +37,33 @@ class SD3FlowModel(DiffusersFlowModel):
         resolution: image side in pixels (int or ``(H, W)``); 0/None: the transformer's sample size
             times the VAE factor (1024 for SD3.5-M).
         guidance_scale: CFG weight; None: 4.5 (the papers' SD3.5 setting).
-        max_sequence_length: T5 tokens (the pipeline's default 256; clipped to the tokenizer's limit).
+        max_sequence_length: T5 tokens, at most 512 (the pipeline's bound); None: 256, the pipeline's
+            default, clipped to the tokenizer's ``model_max_length``.
     """
 
     pipeline_name = "StableDiffusion3Pipeline"
+    text_length_default = 256
+    text_length_cap = 512
 
-    def __init__(self, pipe, resolution=None, guidance_scale: float | None = None, max_sequence_length=256):
+    def __init__(
+        self,
+        pipe,
+        resolution=None,
+        guidance_scale: float | None = None,
+        max_sequence_length: int | None = None,
+    ):
         t = pipe.transformer.config
         factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
         h, w = image_size(resolution, t.sample_size * factor, factor * t.patch_size)
         super().__init__(pipe, h, w, (t.in_channels, h // factor, w // factor))
         self.guidance_scale = 4.5 if guidance_scale is None else float(guidance_scale)
-        limit = getattr(pipe.tokenizer_3, "model_max_length", 256) if pipe.tokenizer_3 else 256
-        self.max_sequence_length = min(int(max_sequence_length), int(limit))
+        self.set_max_sequence_length(max_sequence_length)
         self.shift = float(pipe.scheduler.config.get("shift", 1.0))
+
+    def tokenizer_limit(self) -> int | None:
+        """T5's tokenizer ``model_max_length`` (None without T5: the pipeline then pads zeros)."""
+        tok = self.pipe.tokenizer_3
+        return None if tok is None else getattr(tok, "model_max_length", None)
 
     def _encode(self, prompts: list[str]) -> PromptCond:
         """``[*prompts, ""]`` through the pipeline's ``encode_prompt`` (CLIP-L, CLIP-G, T5) in one call:
@@ -76,7 +94,8 @@ class SD3FlowModel(DiffusersFlowModel):
         return out.float().to(x.device)
 
     def velocity(self, x: torch.Tensor, sigma, cond: PromptCond) -> torch.Tensor:
-        """Guided velocity ``v_null + w·(v_cond − v_null)``, ``w = self.guidance_scale``.
+        """Guided velocity ``v_null + w·(v_cond − v_null)``, ``w = self.guidance_scale`` (``v_null``
+        detached if ``cfg_uncond_grad`` is off).
 
         Args:
             x: ``(B, C, h, w)`` float32; sigma: ``(B,)`` (or a float) in [0, 1]; cond: ``B`` rows of
@@ -98,6 +117,7 @@ class SD3FlowModel(DiffusersFlowModel):
             torch.cat([null.embeds, cond.embeds]),
             torch.cat([null.pooled, cond.pooled]),
         ).chunk(2)
+        v_null = self.uncond_branch(v_null)
         return v_null + w * (v_cond - v_null)
 
     def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:

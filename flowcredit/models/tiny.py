@@ -20,7 +20,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from flowcredit.errors import ConfigError
 from flowcredit.models.protocol import FlowModelBase
+from flowcredit.models.run_paths import run_path_problem
 from flowcredit.models.tiny_net import TinyNet
 from flowcredit.models.tokenizer import Tokenizer
 
@@ -181,7 +183,8 @@ class TinyFlowModel(FlowModelBase):
         return v.float()
 
     def velocity(self, x: torch.Tensor, sigma: torch.Tensor | float, cond: TextCond) -> torch.Tensor:
-        """Guided velocity ``v_null + w·(v_cond − v_null)``, ``w = self.guidance_scale``.
+        """Guided velocity ``v_null + w·(v_cond − v_null)``, ``w = self.guidance_scale`` (``v_null``
+        detached if ``cfg_uncond_grad`` is off).
 
         Args:
             x: ``(B, 3, H, W)`` float32; sigma: ``(B,)`` (or a float) in [0, 1]; cond: ``encode`` output.
@@ -201,6 +204,7 @@ class TinyFlowModel(FlowModelBase):
             raise ValueError("guidance_scale != 1 needs a cond from encode() (it carries the null branch)")
         both = TextCond.cat([cond, cond.null.expand(B)])  # (2B, ...)
         v_cond, v_null = self.predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
+        v_null = self.uncond_branch(v_null)
         return v_null + w * (v_cond - v_null)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
@@ -266,7 +270,30 @@ def load_checkpoint(spec: str | Path, device: str | torch.device = "cpu") -> Tin
     return load_builtin(device) if str(spec) == "builtin" else TinyFlowModel.load(spec, device)
 
 
+def check_checkpoint(spec: str) -> None:
+    """Refuse, with a one-line :class:`ConfigError` saying what to give instead, a ``checkpoint`` that
+    is not ``"builtin"`` nor a directory holding ``model.safetensors`` and ``config.json``: a missing
+    path, a run folder or its training state (:func:`run_path_problem`), a diffusers pipeline."""
+    path = Path(spec)
+    missing = [name for name in (WEIGHTS, CONFIG) if not (path / name).is_file()]
+    if str(spec) == "builtin" or not missing:
+        return
+    problem = run_path_problem(str(spec))
+    if problem:
+        raise ConfigError("checkpoint", problem)
+    give = f"give 'builtin' or a directory with {WEIGHTS} and {CONFIG} (e.g. a tiny-model run's final/)"
+    if not path.is_dir():
+        raise ConfigError("checkpoint", f"no such directory {spec!r}; {give}")
+    if (path / "model_index.json").is_file():
+        give = "it is a diffusers pipeline: give its --model (e.g. sd3, flux)"
+    raise ConfigError(
+        "checkpoint",
+        f"{spec!r} is not a tiny-model checkpoint (it lacks {' and '.join(missing)}); {give}",
+    )
+
+
 def load_for_training(cfg) -> TinyFlowModel:
-    """Trainer entry point: the checkpoint named by ``cfg.checkpoint`` (``"builtin"`` or a directory),
-    its network on ``cfg.device``."""
+    """Trainer entry point: the checkpoint named by ``cfg.checkpoint`` (``"builtin"`` or a directory,
+    checked by :func:`check_checkpoint`), its network on ``cfg.device``."""
+    check_checkpoint(cfg.checkpoint)
     return load_checkpoint(cfg.checkpoint, cfg.device)

@@ -9,6 +9,7 @@
 * CFG is the pipeline's true CFG: a conditional and a negative-prompt branch (``negative_prompt``,
   default ``""`` as the pipeline's), combined in float32 as ``v_neg + w·(v_cond − v_neg)``; the two
   branches run as one batch of ``2B`` (the pipeline runs two calls: equal up to float rounding).
+  ``cfg_uncond_grad = False`` detaches ``v_neg``.
 * ``sigmas(N)`` is ``scheduler.set_timesteps(N)`` on the checkpoint's scheduler. The hub's Wan2.1
   checkpoints ship ``UniPCMultistepScheduler`` (``use_flow_sigmas``, ``flow_shift`` 3.0): its σ
   schedule is used as is, but our samplers step it with Euler / SDE steps, not UniPC's multistep
@@ -46,11 +47,13 @@ class WanFlowModel(DiffusersFlowModel):
         guidance_scale: CFG weight; None: 5.0 (the pipeline's default).
         num_frames: clip length F (``4k + 1``); 0/None: 81.
         negative_prompt: the unconditional branch's prompt (the pipeline's default ``""``).
-        max_sequence_length: UMT5 tokens (226, the pipeline's; clipped to the tokenizer's limit).
+        max_sequence_length: UMT5 tokens, every prompt zero-padded to it; None: 226 (the pipeline's
+            ``encode_prompt`` default), clipped to the tokenizer's ``model_max_length``.
     """
 
     pipeline_name = "WanPipeline"
     decode_chunk = 1  # a clip decode holds every frame's activations
+    text_length_default = 226
 
     def __init__(
         self,
@@ -59,7 +62,7 @@ class WanFlowModel(DiffusersFlowModel):
         guidance_scale: float | None = None,
         num_frames: int | None = None,
         negative_prompt: str = "",
-        max_sequence_length: int = 226,
+        max_sequence_length: int | None = None,
     ):
         if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("expand_timesteps", False):
             raise ConfigError(
@@ -75,13 +78,11 @@ class WanFlowModel(DiffusersFlowModel):
         self.negative_prompt = negative_prompt
         self.num_steps = 50
         self.shift = float(pipe.scheduler.config.get("shift", pipe.scheduler.config.get("flow_shift", 1.0)))
-        limit = getattr(pipe.tokenizer, "model_max_length", max_sequence_length)
-        self.max_sequence_length = min(int(max_sequence_length), int(limit))
+        self.set_max_sequence_length(max_sequence_length)
 
-    def pipeline_call_kwargs(self) -> dict:
-        """``WanPipeline`` pads prompts to 226 tokens; the policy used ``max_sequence_length`` (226, or the
-        tokenizer's limit when that is shorter): pass it to ``pipe(…)`` to see the same text context."""
-        return {"max_sequence_length": self.max_sequence_length}
+    def tokenizer_limit(self) -> int | None:
+        """UMT5's tokenizer ``model_max_length``."""
+        return getattr(self.pipe.tokenizer, "model_max_length", None)
 
     def set_frames(self, num_frames: int) -> None:
         """Clip length ``F`` (``4k + 1``): ``latent_shape = (C, (F − 1)/4 + 1, H/8, W/8)``."""
@@ -127,7 +128,8 @@ class WanFlowModel(DiffusersFlowModel):
         return out.float().to(x.device)
 
     def velocity(self, x: torch.Tensor, sigma, cond: PromptCond) -> torch.Tensor:
-        """Guided velocity ``v_neg + w·(v_cond − v_neg)``, ``w = self.guidance_scale``.
+        """Guided velocity ``v_neg + w·(v_cond − v_neg)``, ``w = self.guidance_scale`` (``v_neg`` detached
+        if ``cfg_uncond_grad`` is off).
 
         Args:
             x: ``(B, C, F', h, w)`` float32; sigma: ``(B,)`` (or a float) in [0, 1]; cond: ``B`` rows.
@@ -143,6 +145,7 @@ class WanFlowModel(DiffusersFlowModel):
         v_cond, v_neg = self.predict(
             torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([cond.embeds, null.embeds])
         ).chunk(2)
+        v_neg = self.uncond_branch(v_neg)
         return v_neg + w * (v_cond - v_neg)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:

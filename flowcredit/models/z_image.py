@@ -8,7 +8,7 @@
 * CFG is the pipeline's: ``v = v_cond + w·(v_cond − v_neg)`` with the negative prompt ``""`` (note:
   ``w`` is added to 1, unlike SD3's ``v_neg + w·(v_cond − v_neg)``), both branches in one call of 2B
   rows; ``w = 0`` is one conditional pass. The pipeline's options ``cfg_truncation`` and
-  ``cfg_normalization`` are used at their defaults (off).
+  ``cfg_normalization`` are used at their defaults (off). ``cfg_uncond_grad = False`` detaches ``v_neg``.
 * ``sigmas(N)``: the pipeline's ``linspace(1, 1/N, N)`` through the scheduler (static shift 3.0 on
   the released checkpoints; a dynamic μ if the scheduler has one), then 0.
 """
@@ -58,7 +58,9 @@ class ZImageFlowModel(DiffusersFlowModel):
         guidance_scale: the pipeline's CFG weight ``w`` (``v_cond + w·(v_cond − v_neg)``); None: 5.0,
             the pipeline's default (the distilled Z-Image-Turbo samples with 0: set it from Python).
         negative_prompt: the unconditional branch's prompt (``""``, the pipeline's).
-        max_sequence_length: text tokens (512, the pipeline's).
+        max_sequence_length: the Qwen3 text encoder's tokens, chat template included (longer prompts
+            are cut; the padding is removed, so shorter prompts are unaffected); None: 512, the
+            pipeline's.
     """
 
     pipeline_name = "ZImagePipeline"
@@ -69,7 +71,7 @@ class ZImageFlowModel(DiffusersFlowModel):
         resolution=None,
         guidance_scale: float | None = None,
         negative_prompt: str = "",
-        max_sequence_length: int = 512,
+        max_sequence_length: int | None = None,
     ):
         factor = pipe.vae_scale_factor
         h, w = image_size(resolution, 1024, 2 * factor)
@@ -77,7 +79,7 @@ class ZImageFlowModel(DiffusersFlowModel):
         self.guidance_scale = 5.0 if guidance_scale is None else float(guidance_scale)
         self.negative_prompt = negative_prompt
         self.num_steps = 50
-        self.max_sequence_length = int(max_sequence_length)
+        self.set_max_sequence_length(max_sequence_length)
 
     @property
     def guidance_passes(self) -> int:
@@ -124,6 +126,7 @@ class ZImageFlowModel(DiffusersFlowModel):
         v_cond, v_neg = self.predict(
             torch.cat([x, x]), torch.cat([sigma, sigma]), cond.embeds + null.embeds
         ).chunk(2)
+        v_neg = self.uncond_branch(v_neg)
         return v_cond + w * (v_cond - v_neg)
 
     def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:

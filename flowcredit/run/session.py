@@ -20,6 +20,7 @@ from flowcredit.advantages import CREDITS, Credit
 from flowcredit.config import Config
 from flowcredit.errors import ConfigError, UserError
 from flowcredit.models import FlowModel, check_adapter, load_model
+from flowcredit.models.registry import apply_text_length
 from flowcredit.rewards import Reward, check_metadata, get_reward, parse_mix, uses_shapeeval
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from flowcredit.run.distributed import Dist
@@ -278,7 +279,11 @@ def lora_composed(cfg: Config, model: FlowModel, sharded: bool) -> bool:
 
 def configure_network(cfg: Config, model: FlowModel) -> None:
     """``gradient_checkpointing`` through the adapter, ``compile`` by ``nn.Module.compile`` (in place:
-    parameter names, LoRA layers and checkpoints stay as they are)."""
+    parameter names, LoRA layers and checkpoints stay as they are); the text length and the CFG
+    gradient (``max_sequence_length``, ``cfg_uncond_grad``) also onto a model given to
+    :func:`build_session` rather than loaded from ``cfg``."""
+    apply_text_length(cfg, model)
+    set_cfg_uncond_grad(cfg.cfg_uncond_grad, model)
     if cfg.gradient_checkpointing:
         model.enable_gradient_checkpointing()
     if cfg.compile:
@@ -288,6 +293,19 @@ def configure_network(cfg: Config, model: FlowModel) -> None:
                 "compile", "torch.compile on the CPU needs a C++ compiler (g++ or clang++) on PATH"
             )
         model.net.compile()
+
+
+def set_cfg_uncond_grad(on: bool, model: FlowModel) -> None:
+    """``cfg_uncond_grad`` onto the adapter (:meth:`FlowModelBase.uncond_branch`); ``False`` on an adapter
+    without the switch raises, as it would otherwise train through both branches unnoticed."""
+    if hasattr(model, "cfg_uncond_grad"):
+        model.cfg_uncond_grad = on
+    elif not on:
+        raise ConfigError(
+            "cfg_uncond_grad",
+            f"the {type(model).__name__} adapter cannot detach its unconditional branch "
+            "(subclass flowcredit.models.FlowModelBase and pass it through uncond_branch)",
+        )
 
 
 def read_psi(path: str, num_steps: int) -> torch.Tensor:
