@@ -214,9 +214,8 @@ MUTANTS = [
     ),
     Mutant(
         "slot_before_body", "server", "flowcredit/rewards/app.py",
-        "            async with service.bodies.hold(n):\n                phase = \"reading the body\"",
-        "            async with service.bodies.hold(n), service.slots:\n"
-        "                phase = \"reading the body\"",
+        "            async with service.bodies.account() as account:",
+        "            async with service.bodies.account() as account, service.slots:",
         ("tests/test_reward_server_hostile.py::test_slow_uploads_do_not_block_other_clients",),
         "a request takes a scoring slot before its body arrives: slow uploads block everyone",
     ),
@@ -229,15 +228,15 @@ MUTANTS = [
     ),
     Mutant(
         "no_request_head_deadline", "server", "flowcredit/rewards/server.py",
-        "        http=guarded_protocol(limits.header_timeout_s),",
+        "        http=guarded_protocol(limits, Admission(limits)),",
         '        http="httptools",',
         ("tests/test_reward_server_hostile.py::test_idle_and_half_open_connections_are_closed",),
         "idle and half-open connections stay open until they fill max_connections",
     ),
     Mutant(
         "no_suspects", "server", "flowcredit/rewards/batcher.py",
-        "                if batch[0].pending.source is not None:",
-        "                if False:",
+        "                self._mark(batch[0].pending, failed=True)",
+        "                pass",
         ("tests/test_reward_server_hostile.py::test_a_failing_client_does_not_poison_later_batches",),
         "a failing client's every request joins and fails a merged call",
     ),

@@ -12,9 +12,15 @@ per call whatever the batch size, like a GPU model), and measures
    small and the growth is what the server keeps decoded.
 
 3. with ``--hostile slow=M,idle=M,failing=M``: the load of 1. again, beside bad clients (slow uploads,
-   idle connections, clients whose requests the reward refuses; :class:`Hostile`).
+   idle connections, clients whose requests the reward refuses; :class:`Hostile`);
+4. with ``--attacks all`` (or some of ``reward_server_attacks.ATTACKS``): a second server at default
+   settings, and for each attack of issue 38 the load of 1. beside it: the good clients' throughput,
+   p50 / p95, errors, the reward calls, and the server's peak RSS during it (VmHWM, reset before each);
+   then one request each of ``reward_server_attacks.probes`` (a 16-bit PNG behind another chunk,
+   reward errors holding a path or a lone surrogate, a text/plain body): what comes back.
 
-Everything is bounded: a fixed number of requests, 120 s per request, servers killed at the end.
+Everything is bounded: a fixed number of requests, 120 s per request, attacks bounded in connections,
+bytes and time, servers killed at the end.
 
     flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/reward_server_load.py \\
         --code old=/path/to/old/checkout --code new=.
@@ -27,9 +33,12 @@ import http.client
 import json
 import multiprocessing
 import os
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,10 +50,14 @@ SLEEP_S = float(os.environ.get("REWARD_SERVER_LOAD_SLEEP_S", "0.1"))
 
 def batchable(images, prompts, metadata):
     """The served reward: ``SLEEP_S`` per call, whatever the batch size; mean brightness. A prompt
-    starting with "reject" is refused (``ValueError``: 422), as a reward refuses bad input."""
+    starting with "reject" is refused (``ValueError``: 422), as a reward refuses bad input; one
+    ``fail: TEXT`` raises ``OSError(TEXT)`` (TEXT: a path, say)."""
     time.sleep(SLEEP_S)
     if any(p.startswith("reject") for p in prompts):
         raise ValueError("this reward rejects prompts that start with 'reject'")
+    for p in prompts:
+        if p.startswith("fail: "):
+            raise OSError(p[len("fail: ") :])
     return images.mean(dim=(1, 2, 3))
 
 
@@ -55,9 +68,6 @@ class Hostile:
     back to back)."""
 
     def __init__(self, port: int, slow: int = 0, idle: int = 0, failing: int = 0):
-        import socket
-        import threading
-
         self.port, self.done, self.sockets = port, threading.Event(), []
         self.threads = [threading.Thread(target=self._slow, daemon=True) for _ in range(slow)]
         self.threads += [threading.Thread(target=self._failing, daemon=True) for _ in range(failing)]
@@ -67,8 +77,6 @@ class Hostile:
             t.start()
 
     def _slow(self) -> None:
-        import socket
-
         with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
             conn.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
             while not self.done.wait(1.0):
@@ -102,18 +110,24 @@ def _png(image: torch.Tensor) -> str:
     return encode_png(image)
 
 
-def start(code: Path, sleep_ms: float, max_batch: int, timeout: float = 120) -> tuple[subprocess.Popen, int]:
-    """That checkout's ``serve-reward`` in a subprocess; its pid and port."""
+def start(
+    code: Path, sleep_ms: float, max_batch: int, timeout: float = 120, defaults: bool = False
+) -> tuple[subprocess.Popen, int]:
+    """That checkout's ``serve-reward`` in a subprocess (``defaults``: at default settings, else with
+    512 MiB bodies, ``max_batch`` and ``timeout``); its pid and port."""
     env = dict(os.environ, PYTHONPATH=f"{code}:{HERE}", OMP_NUM_THREADS="1")
     env["REWARD_SERVER_LOAD_SLEEP_S"] = str(sleep_ms / 1000)
     cmd = [sys.executable, "-m", "flowcredit", "serve-reward", "--reward", "reward_server_load:batchable"]
-    cmd += ["--port", "0", "--max-batch", str(max_batch), "--max-body-mb", "512", "--quiet"]
-    cmd += ["--timeout", str(timeout)]
-    proc = subprocess.Popen(cmd, env=env, cwd=code, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd += ["--port", "0", "--quiet"]
+    if not defaults:
+        cmd += ["--max-batch", str(max_batch), "--max-body-mb", "512", "--timeout", str(timeout)]
+    log = tempfile.TemporaryFile()  # not a pipe: a server logging more than a pipe holds would block
+    proc = subprocess.Popen(cmd, env=env, cwd=code, stdout=subprocess.PIPE, stderr=log, text=True)
     line = proc.stdout.readline()
     if " on http://" not in line:
         proc.kill()
-        raise RuntimeError(f"server from {code} did not start: {line}{proc.stderr.read()}")
+        log.seek(0)
+        raise RuntimeError(f"server from {code} did not start: {line}{log.read()[-2000:]}")
     return proc, int(line.split(" on http://")[1].split()[0].rsplit(":", 1)[1])
 
 
@@ -127,20 +141,23 @@ def post(conn: http.client.HTTPConnection, body: bytes) -> list:
 
 
 def _client(port: int, body: bytes, requests: int, ready, results) -> None:
-    """One client process: connect, wait for the others, send ``requests`` in turn; latencies out."""
+    """One client process: connect, wait for the others, send ``requests`` in turn (a failed one is
+    counted, and the next goes on a new connection); latencies of the answered ones, and errors, out."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     conn.connect()
-    latencies, error = [], None
+    latencies, errors = [], []
     ready.wait()
-    try:
-        for _ in range(requests):
-            t0 = time.perf_counter()
+    for _ in range(requests):
+        t0 = time.perf_counter()
+        try:
             post(conn, body)
             latencies.append(time.perf_counter() - t0)
-    except Exception as exc:  # reported, not raised: the other clients finish
-        error = repr(exc)
+        except Exception as exc:  # reported, not raised: the other clients finish
+            errors.append(repr(exc)[:160])
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     conn.close()
-    results.put((latencies, error))
+    results.put((latencies, errors))
 
 
 def load(port: int, clients: int, requests: int) -> dict:
@@ -168,10 +185,14 @@ def load(port: int, clients: int, requests: int) -> dict:
     for proc in procs:
         proc.join()
     latencies = [t for ts, _ in answers for t in ts]
+    errors = [e for _, es in answers for e in es]
+    if not latencies:  # every request failed
+        return {"requests": 0, "failed": len(errors), "errors": list(dict.fromkeys(errors))[:3]}
     q = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
     return {
         "requests": len(latencies),
-        "errors": ([warm_up_error] if warm_up_error else []) + [e for _, e in answers if e][:3],
+        "failed": len(errors),
+        "errors": ([warm_up_error] if warm_up_error else []) + list(dict.fromkeys(errors))[:3],
         "wall_s": round(wall, 3),
         "requests_per_s": round(len(latencies) / wall, 2),
         "p50_ms": round(1000 * statistics.median(latencies), 1),
@@ -211,6 +232,8 @@ def reward_calls(port: int) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from reward_server_attacks import ATTACKS, attacks, probes  # beside this script
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--code", action="append", required=True, help="NAME=PATH of a checkout to serve from")
     p.add_argument("--clients", type=int, default=8)
@@ -224,7 +247,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--hostile", default="", help="also load beside bad clients, e.g. slow=16,idle=64,failing=1"
     )
+    p.add_argument("--attacks", default="", help=f"'all' or some of {','.join(ATTACKS)} (issue 38)")
+    p.add_argument("--attack-requests", type=int, default=5, help="per good client, beside each attack")
     args = p.parse_args(argv)
+    kinds = list(ATTACKS) if args.attacks == "all" else [k for k in args.attacks.split(",") if k]
     hostile = {k: int(v) for k, v in (kv.split("=") for kv in args.hostile.split(",") if kv)}
     counts = [int(n) for n in args.memory_images.split(",")]
     results = {}
@@ -244,6 +270,15 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             proc.kill()
             proc.wait(timeout=30)
+        if kinds:
+            proc, port = start(Path(path).resolve(), args.sleep_ms, args.max_batch, defaults=True)
+            try:
+                print(name, "attacks, at default settings:", flush=True)
+                row["attacks"] = attacks(proc, port, kinds, args.clients, args.attack_requests)
+                row["probes"] = probes(port)
+            finally:
+                proc.kill()
+                proc.wait(timeout=30)
         results[name] = row
         print(name, json.dumps(row), flush=True)
     if args.out:

@@ -36,7 +36,7 @@ class Probe:
         time.sleep(self.sleep)
         if self.fail_next:
             raise self.fail_next.pop(0)
-        if "reject me" in prompts:
+        if any(p.startswith("reject me") for p in prompts):
             raise ValueError("prompt 'reject me' has no quotes")
         bonus = torch.tensor([float(m.get("bonus", 0)) for m in metadata])
         return images.mean(dim=(1, 2, 3)) + torch.tensor([float(len(p)) for p in prompts]) + bonus
@@ -122,3 +122,69 @@ def send_until_closed(port, data: bytes, timeout=30.0) -> bytes:
         while chunk := conn.recv(4096):
             answer += chunk
     return answer
+
+
+# --- a server in a subprocess: its resident memory and its log --------------------------------------
+
+
+def process_reward(images, prompts, metadata):
+    """The reward of :func:`serve_process`: mean brightness; a prompt ``fail: TEXT`` raises an
+    exception whose text is TEXT (e.g. a file path)."""
+    for prompt in prompts:
+        if prompt.startswith("fail: "):
+            raise FileNotFoundError(2, "No such file", prompt[len("fail: ") :])
+    return images.mean(dim=(1, 2, 3))
+
+
+@contextmanager
+def serve_process(*flags: str):
+    """``flowcredit serve-reward --quiet`` serving :func:`process_reward` in a subprocess (with the
+    test token); ``.pid``, ``.port`` and ``.log()`` (its stderr so far). Killed on exit."""
+    import os
+    import select
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=f"{tests.parent}:{tests}", OMP_NUM_THREADS="1")
+    env["FLOWCREDIT_REWARD_TOKEN"] = TOKEN
+    cmd = [sys.executable, "-m", "flowcredit", "serve-reward", "--reward", "reward_serving:process_reward"]
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(
+            [*cmd, "--port", "0", "--quiet", *flags], env=env, cwd=tests.parent, stdout=subprocess.PIPE,
+            stderr=err, text=True,
+        )  # fmt: skip
+        try:
+            ready = select.select([proc.stdout], [], [], 180)[0]  # a hung start fails, not hangs
+            line = proc.stdout.readline() if ready else ""
+            if " on http://" not in line:
+                err.seek(0)
+                raise RuntimeError(f"server did not start: {line!r} {err.read()[-2000:]!r}")
+
+            def log() -> str:
+                err.seek(0)
+                return err.read().decode("utf-8", "replace")
+
+            yield SimpleNamespace(
+                pid=proc.pid, port=int(line.split(" on http://")[1].split()[0].rsplit(":", 1)[1]), log=log
+            )
+        finally:
+            proc.kill()
+            proc.wait(30)
+
+
+def memory_kib(pid: int) -> dict[str, int]:
+    """``{"VmRSS": …, "VmHWM": …}`` of a process, in KiB (``/proc/PID/status``)."""
+    with open(f"/proc/{pid}/status") as f:
+        return {
+            k: int(v.split()[0]) for k, _, v in (ln.partition(":") for ln in f) if k in ("VmRSS", "VmHWM")
+        }
+
+
+def reset_peak(pid: int) -> None:
+    """Set a process's peak resident memory (VmHWM) to its current one (Linux ≥ 4.0: clear_refs 5)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")

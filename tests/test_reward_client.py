@@ -31,6 +31,22 @@ def test_probe_client_sends_a_batch_larger_than_the_body_limit():
     assert sum(probe.batches) == 24 and max(probe.batches) <= 4
 
 
+def test_client_splits_a_batch_by_the_servers_text_limit():
+    """6 prompts of 600 bytes against max_text_bytes 2,000: the client sends requests of at most 3 of
+    them (one request would be refused with 413); a prompt alone over the limit fails before sending."""
+    probe = Probe()
+    with start_server({"probe": probe}, limits=Limits(max_text_bytes=2000, max_batch=8)) as running:
+        remote = get_reward("remote", {"remote": {"url": running.url}})
+        images = torch.rand(6, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+        prompts = [f"{i}" + "p" * 599 for i in range(6)]
+        assert remote(images, prompts, [{} for _ in prompts]).tolist() == pytest.approx(
+            expected(images, prompts)
+        )
+        with pytest.raises(RemoteRewardError, match="max_text_bytes 2000"):
+            remote(images[:1], ["p" * 2000], [{}])
+    assert sum(probe.batches) == 6
+
+
 def test_round_trip_matches_local_reward(server):
     remote = get_reward(
         "remote", {"remote": {"url": server.url, "token": TOKEN, "reward": "jpeg_compressibility"}}

@@ -1,7 +1,9 @@
 """The reward server against slow, idle, greedy and broken clients (issue 26): a reward that exits,
 file paths in errors, 16-bit PNGs, a failing client in merged calls, a large request ahead of a small
 one, slow uploads, idle and half-open connections, JSON of many tiny values. Each test fails on the
-server before issue 26. Orderings are driven by the probe's gate and the batcher's queue."""
+server before issue 26. Then issue 38's: request heads over their bounds, 16-bit PNGs behind other
+chunks, reward errors in any form, Content-Type; each fails on the server before issue 38 (but the
+one that checks exact conversions). Orderings are driven by the probe's gate and the batcher's queue."""
 
 import base64
 import socket
@@ -27,7 +29,7 @@ def test_error_bodies_carry_no_file_paths(served):
     probe, port = served
     probe.fail_next = [FileNotFoundError(2, "No such file", "/models/secret-store/pickscore/weights.bin")]
     status, data = request(port, body=payload(1)[1])
-    assert status == 500 and "FileNotFoundError" in data["error"] and "(path)" in data["error"]
+    assert status == 500 and "FileNotFoundError (error id" in data["error"]
     assert "secret-store" not in data["error"] and "/models" not in data["error"]
 
 
@@ -199,3 +201,130 @@ def test_a_failing_client_does_not_poison_later_batches(server, served):
     bad.close()
     calls = [sorted(p) for p in probe.prompts[1:]]
     assert calls == [["reject me"], ["good 0", "good 1", "good 2"]], calls
+
+
+# --- issue 38: request heads, PNG layouts, error texts, Content-Type ------------------------------
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [b"a: b\r\n" * 101, b"X-Long: " + b"v" * 17_000 + b"\r\n"],
+    ids=["101 header lines", "a 17 kB header"],
+)
+def test_a_request_head_over_its_bounds_gets_431_and_is_closed(served, headers):
+    """Over max_headers (100) lines or max_header_bytes (16 KiB): 431 and the connection closed (the
+    head used to be taken whole, however long: tests/test_reward_server_process.py measures that)."""
+    _, port = served
+    head = f"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n".encode()
+    answer = send_until_closed(port, head + headers + b"Content-Length: 2\r\n\r\n{}")
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"max_header" in answer, answer[:300]
+    assert request(port, body=payload(1)[1])[0] == 200
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    import struct
+    import zlib
+
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _png_16_bit_grey(layout: str) -> str:
+    """An 8×8 16-bit grey PNG of 128·257, with IHDR first, after another chunk, or after an 8-bit IHDR."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8), 128 * 257, dtype=np.uint16)).save(buf, format="PNG")
+    png = buf.getvalue()
+    head, rest = png[:8], png[8:]
+    if layout == "a chunk before IHDR":
+        rest = _chunk(b"tEXt", b"k\x00v") + rest
+    elif layout == "an 8-bit IHDR first":
+        rest = _chunk(b"IHDR", bytes.fromhex("00000008 00000008 08 00 00 00 00")) + rest
+    return base64.b64encode(head + rest).decode()
+
+
+@pytest.mark.parametrize("layout", ["a chunk before IHDR", "an 8-bit IHDR first"])
+def test_a_16_bit_png_is_refused_whatever_its_chunk_order(served, layout):
+    """The bit depth is read from the header PIL decodes by, not from byte 24: a 16-bit image behind
+    another chunk or a second IHDR used to reach the reward clipped to 1.0 instead of 0.502."""
+    probe, port = served
+    status, data = request(port, body={"images": [_png_16_bit_grey(layout)], "prompts": ["a"]})
+    assert status == 400 and "8-bit" in data["error"] and probe.batches == []
+
+
+def test_pngs_converted_exactly_are_decoded():
+    """2-bit grey and palette PNGs decode to the 8-bit RGB they mean (grey 85·k; the palette's colours)."""
+    import io
+    import zlib
+
+    from PIL import Image
+
+    from flowcredit.rewards.wire import decode_pngs
+
+    grey2 = _chunk(b"IHDR", bytes.fromhex("00000004 00000001 02 00 00 00 00"))  # 4×1, 2-bit grey
+    pixels = _chunk(b"IDAT", zlib.compress(bytes([0, 0b00011011])))  # filter 0, then grey 0, 1, 2, 3
+    png = b"\x89PNG\r\n\x1a\n" + grey2 + pixels + _chunk(b"IEND", b"")
+    assert decode_pngs([png])[0, 0, :, 0].tolist() == [0, 85, 170, 255]
+    image, buf = Image.new("P", (2, 1)), io.BytesIO()
+    image.putpalette([0, 0, 0, 255, 128, 0])
+    image.putdata([1, 0])
+    image.save(buf, format="PNG")
+    assert decode_pngs([buf.getvalue()])[0, 0].tolist() == [[255, 128, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        r"\\fileserver\models\pickscore\weights.bin",
+        "/weights.bin",
+        "/srv/my models/pick score/weights v2.bin",
+        "/srv/a=b/c%20d/weights.bin",
+        "token=hunter2 at /opt/x",
+        "lone surrogate \ud800 here",
+    ],
+)
+def test_error_bodies_name_the_exception_type_never_its_text(served, text):
+    """A reward's exception is answered with its type and an error id, never its text (one-part, UNC
+    and spaced paths used to show), as valid JSON (a lone surrogate used to make a plain-text 500)."""
+    probe, port = served
+    probe.fail_next = [OSError(text)]
+    status, data = request(port, body=payload(1)[1])
+    assert status == 500 and isinstance(data, dict), data
+    assert "failed: OSError (error id " in data["error"] and "weights" not in data["error"]
+    assert not any(part in data["error"] for part in ("fileserver", "hunter2", "/opt", "surrogate")), data
+
+
+def test_a_body_that_is_not_json_by_its_content_type_is_415(served):
+    """Content-Type must be application/json (with any parameters) or absent; it used to be ignored."""
+    _, port = served
+    body = payload(1)[1]
+    assert request(port, body=body, headers={"Content-Type": "text/plain"})[0] == 415
+    for ok in ("application/json", "Application/JSON; charset=utf-8"):
+        assert request(port, body=body, headers={"Content-Type": ok})[0] == 200
+
+
+def test_prompts_and_metadata_round_trip_exactly_with_the_images_taken_out():
+    """Images are taken out of the body before the rest is parsed (so that only the rest, bounded by
+    max_text_bytes, can widen to 4 bytes a character): long base64 text in prompts and metadata, keys
+    included, and escaped quotes before it still parse to exactly what was sent."""
+    import json
+    import os
+
+    import torch
+
+    from flowcredit.rewards.wire import ServeError, encode_png, parse_score_request
+
+    png, b64 = encode_png(torch.rand(3, 8, 8)), base64.b64encode(os.urandom(90)).decode()
+    prompts = ['say \\"' + b64 + '"', b64 + "\U0001f600"]
+    metadata = [{b64: [b64, {"q": 'x\\"' + b64}]}, {"k": "\\\\"}]
+    body = json.dumps({"images": [png, png], "prompts": prompts, "metadata": metadata}).encode()
+    parsed = parse_score_request(body, 64 * 64)
+    assert (parsed.prompts, parsed.metadata, len(parsed.pngs)) == (prompts, metadata, 2)
+    with pytest.raises(ServeError, match="max_text_bytes") as over:
+        parse_score_request(
+            json.dumps({"images": [png], "prompts": ["é" * 600]}).encode(), 64 * 64, max_text=1000
+        )
+    assert over.value.status == 413

@@ -10,13 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import traceback
+import logging
+import secrets
 from dataclasses import asdict, dataclass
 
 from flowcredit.errors import UserError
 from flowcredit.rewards import Reward, RewardOutputError
-from flowcredit.rewards.batcher import Batcher
-from flowcredit.rewards.wire import ServeError, parse_score_request, public_message, without_paths
+from flowcredit.rewards.batcher import Batcher, RewardAborted
+from flowcredit.rewards.wire import ServeError, parse_score_request, public_message
+
+LOG = logging.getLogger("uvicorn.error")  # configured by uvicorn, and shown at --quiet's level too
 
 EXTRA_HINT = "pip install 'flowcredit[serve]'"
 
@@ -34,7 +37,12 @@ class Limits:
     body_timeout_s: float = 30.0  # time to receive one body (408 past it), within timeout_s
     header_timeout_s: float = 10.0  # a connection without a complete request head this long is closed
     max_json_values: int = 100_000  # JSON values in one body (counted before parsing; bounds its memory)
-    max_connections: int = 256  # open connections; beyond them uvicorn answers 503
+    max_text_bytes: int = 1 << 20  # bytes of a body outside its images: prompts, metadata, JSON syntax
+    max_connections: int = 256  # open connections in all (connections.py: who is refused or closed)
+    max_header_bytes: int = 16 << 10  # one request head (request line and headers); past it 431
+    max_headers: int = 100  # header lines in one request head; past it 431
+    max_client_connections: int = 64  # open connections from one client address
+    max_client_connects_per_s: float = 64.0  # new connections a second from one address (1 s burst)
 
     def __post_init__(self):
         for name, value in asdict(self).items():
@@ -80,7 +88,9 @@ class RewardService:
         for batcher in self.batchers.values():
             batcher.start()
         self.slots = asyncio.Semaphore(self.limits.max_concurrency)
-        self.bodies = ByteBudget(self.limits.max_concurrency * self.limits.max_body_bytes)
+        self.bodies = ByteBudget(
+            self.limits.max_concurrency * self.limits.max_body_bytes, self.limits.max_body_bytes
+        )
 
     async def stop(self) -> None:
         """Stop the batchers' workers (at shutdown)."""
@@ -108,6 +118,12 @@ class RewardService:
             raise ServeError(404, f"no reward {name!r} here; served: {list(self.fns)}")
         return self.batchers[name]
 
+    def check_content_type(self, headers) -> None:
+        """A body is JSON: ``Content-Type: application/json`` (any parameters), or none at all."""
+        given = headers.get("content-type")
+        if given is not None and given.partition(";")[0].strip().lower() != "application/json":
+            raise ServeError(415, f"Content-Type {given[:100]!r} refused; send application/json")
+
     def body_length(self, headers) -> int:
         """The request's Content-Length, checked against the limit before the body is read."""
         if "transfer-encoding" in headers:
@@ -123,81 +139,127 @@ class RewardService:
         return n
 
     def error_status(self, name: str, exc: Exception) -> tuple[int, str]:
-        """Status and message for a failed request (4xx: the caller's fault; 500: the reward's)."""
+        """Status and message for a failed request (4xx: the caller's fault; 500: the reward's). A
+        reward's exception is named by its type and an error id only: its text may hold paths, data
+        or secrets. The log (shown with ``--quiet`` too) keeps the whole text under that id."""
         if isinstance(exc, ServeError):
             return exc.status, str(exc)
-        if isinstance(exc, RewardOutputError):
-            return 500, f"reward {name!r} is broken: {without_paths(str(exc))}"
-        if isinstance(exc, ValueError):
-            return 422, f"reward {name!r} rejected the input: {without_paths(str(exc))}"
-        if not self.quiet:  # the server's log keeps the whole text, paths included
-            traceback.print_exception(type(exc), exc, exc.__traceback__)
-        return 500, f"reward {name!r} failed: {type(exc).__name__}: {without_paths(str(exc))}"
+        error_id = secrets.token_hex(4)
+        kind = exc.kind if isinstance(exc, RewardAborted) else type(exc).__name__
+        see = f"(error id {error_id}; the server's log has the details)"
+        if isinstance(exc, ValueError) and not isinstance(exc, RewardOutputError):  # the input: one line
+            LOG.warning("reward %r rejected the input, error id %s: %s: %s", name, error_id, kind, exc)
+            return 422, f"reward {name!r} rejected the input: {kind} {see}"
+        LOG.error(
+            "reward %r failed, error id %s", name, error_id, exc_info=(type(exc), exc, exc.__traceback__)
+        )
+        if isinstance(exc, RewardOutputError):  # flowcredit's own message: counts and type names
+            return 500, f"reward {name!r} is broken: {exc} {see}"
+        return 500, f"reward {name!r} failed: {kind} {see}"
 
 
-async def _read_body(request, n: int) -> bytearray:
-    """The body, which must be exactly the ``n`` bytes Content-Length announced; 400 otherwise."""
+async def _read_body(request, n: int, account: Account) -> bytearray:
+    """The body, which must be exactly the ``n`` bytes Content-Length announced (400 otherwise); each
+    chunk is charged to the byte budget as it arrives, waiting for room if need be."""
     from starlette.requests import ClientDisconnect
 
     body = bytearray()
     try:
         async for chunk in request.stream():
-            body += chunk
+            if chunk:
+                await account.take(len(chunk))
+                body += chunk
     except ClientDisconnect:
         raise ServeError(400, f"client went away after {len(body)} of {n} bytes") from None
+    account.done()
     if len(body) != n:
         raise ServeError(400, f"body of {len(body)} bytes, Content-Length said {n}")
     return body
 
 
 class ByteBudget:
-    """Bytes of request bodies held at once (announced Content-Lengths): a body is read only when its
-    length fits, and counts until its request is answered. The memory bound of the raw bodies is the
-    budget (``max_concurrency × max_body_bytes``), as when a body needed a scoring slot; but a slow
-    client now holds only its own announced bytes, not one of the ``max_concurrency`` slots."""
+    """Bytes of request bodies held at once, charged as they *arrive* (announcing 64 MiB and sending
+    10 bytes holds 10 bytes), and held until the request is answered. A chunk waits while the budget
+    is spent, except that the oldest body still arriving may overdraw it by up to ``largest``: that one
+    always completes, so uploads that together exceed the budget cannot all wait on each other. Raw
+    bodies in memory: at most ``total + largest``."""
 
-    def __init__(self, total: int):
-        self.free, self._changed = total, asyncio.Condition()
+    def __init__(self, total: int, largest: int):
+        self.free, self.largest = total, largest
+        self.reading: dict[Account, None] = {}  # bodies still arriving, oldest first
+        self._wake = asyncio.Event()
 
     @contextlib.asynccontextmanager
-    async def hold(self, n: int):
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.free >= n)
-            self.free -= n
+    async def account(self):
+        """One request's account (:class:`Account`); what it took is returned when the block ends."""
+        account = Account(self)
+        self.reading[account] = None
         try:
-            yield
-        finally:
-            async with self._changed:
-                self.free += n
-                self._changed.notify_all()
+            yield account
+        finally:  # synchronous: a cancelled request cannot skip it
+            self.reading.pop(account, None)
+            self.free += account.held
+            self.notify()
+
+    def fits(self, account: Account, n: int) -> bool:
+        oldest = next(iter(self.reading), None) is account
+        return self.free >= n or (oldest and self.free - n >= -self.largest)
+
+    def notify(self) -> None:
+        """Wake every waiting chunk (each checks again whether it fits)."""
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+
+class Account:
+    """The bytes one request holds in a :class:`ByteBudget`."""
+
+    def __init__(self, budget: ByteBudget):
+        self.budget, self.held = budget, 0
+
+    async def take(self, n: int) -> None:
+        """Charge ``n`` more bytes, once they fit."""
+        while not self.budget.fits(self, n):
+            await self.budget._wake.wait()
+        self.budget.free -= n
+        self.held += n
+
+    def done(self) -> None:
+        """The whole body has arrived: the next oldest body may now overdraw."""
+        self.budget.reading.pop(self, None)
+        self.budget.notify()
 
 
 async def _score(service: RewardService, request, name: str) -> list:
-    """Checks, then under one deadline: room for the body, the body (under its own deadline), a
-    scoring slot, parsing and the batched reward call."""
+    """Checks, then under one deadline: the body (under its own deadline, charged to the byte budget
+    as it arrives), a scoring slot, parsing and the batched reward call."""
     import anyio
 
     service.check_auth(request.headers.get("authorization"))
     batcher = service.batcher(name)
+    service.check_content_type(request.headers)
     n = service.body_length(request.headers)
-    limits, phase = service.limits, "waiting for room for the body"
+    limits, phase, body_deadline = service.limits, "reading the body", None
     try:
         with anyio.fail_after(limits.timeout_s) as deadline:
-            async with service.bodies.hold(n):
-                phase = "reading the body"
+            async with service.bodies.account() as account:
                 with anyio.fail_after(limits.body_timeout_s) as body_deadline:
-                    body = await _read_body(request, n)
+                    body = await _read_body(request, n, account)
                 phase = "waiting for a free slot"
                 async with service.slots:
                     phase = "scoring"
                     parsed = await anyio.to_thread.run_sync(
-                        parse_score_request, body, limits.max_pixels, limits.max_json_values
+                        parse_score_request,
+                        body,
+                        limits.max_pixels,
+                        limits.max_json_values,
+                        limits.max_text_bytes,
                     )
                     del body
                     client = request.client
                     return await batcher.score(parsed, None if client is None else (client.host, client.port))
     except TimeoutError:
-        if phase == "reading the body" and body_deadline.cancel_called:
+        if body_deadline is not None and body_deadline.cancel_called and phase == "reading the body":
             raise ServeError(
                 408, f"body not received within body_timeout_s={limits.body_timeout_s}"
             ) from None

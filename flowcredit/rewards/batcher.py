@@ -5,13 +5,17 @@ model is never entered twice at once). The worker waits until enough images of o
 or ``max_wait_s`` has passed (see :meth:`Batcher._collect`), then takes up to ``max_batch`` images,
 splitting a request across calls when it does not fit, decodes their PNGs (only this batch's pixels
 are ever in memory), calls the reward in a thread and hands each caller its own scores. Requests with
-images of another size wait for a later call. When a merged call fails, each request in it is scored
-alone, so one caller's bad input (a 422) or a reward bug it triggers does not fail its neighbours.
+images of another size wait for a later call. When a merged call fails, it is halved until the failing
+request is alone, so one caller's bad input (a 422) or a reward bug it triggers does not fail its
+neighbours. A request found failing alone marks its inputs (prompt and metadata) and its connection
+as suspect for ``SUSPECT_S``: a later request that shares either goes alone, so a client sending the
+same bad input again, even on new connections, does not fail merged calls; a success clears them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +39,7 @@ class _Pending:
     left: int = 0  # images not scored yet
     served: int = -1  # the last reward call that took some of its images (-1: none yet)
     source: object = None  # the caller's connection (host, port), if known
+    keys: tuple = ()  # its connection and inputs, as suspect marks name them (:func:`_keys`)
 
 
 @dataclass
@@ -51,19 +56,33 @@ def _to_scores(value, n: int) -> list[float | None]:
     """A reward's output → ``n`` floats (None for a non-finite score); :class:`RewardOutputError` else."""
     try:
         value = torch.as_tensor(value, dtype=torch.float32).reshape(-1).cpu()
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise RewardOutputError(f"reward returned {type(value).__name__}, not numbers: {exc}") from None
+    except (TypeError, ValueError, RuntimeError):
+        raise RewardOutputError(f"reward returned {type(value).__name__}, not numbers") from None
     if value.shape[0] != n:
         raise RewardOutputError(f"reward returned {value.shape[0]} values for {n} images")
     return [v if math.isfinite(v) else None for v in value.tolist()]
 
 
 SUSPECT_S = 60.0
-"""Seconds for which a connection whose request the reward refused has its requests scored alone."""
+"""Seconds for which the inputs and connection of a request that failed alone make requests go alone."""
+MAX_SUSPECTS = 10_000  # marks kept at most (the oldest are forgotten first)
+
+
+def _keys(request: ScoreRequest, source: object) -> tuple:
+    """What suspect marks name: the connection, and each distinct (prompt, metadata) of the request."""
+    inputs = {
+        hash((p, json.dumps(m, sort_keys=True, default=repr)))
+        for p, m in zip(request.prompts, request.metadata)
+    }
+    return (("connection", source),) * (source is not None) + tuple(("input", h) for h in inputs)
 
 
 class RewardAborted(RuntimeError):
-    """A reward raised ``SystemExit`` or ``KeyboardInterrupt``: reported as 500, the server goes on."""
+    """A reward raised ``SystemExit`` or ``KeyboardInterrupt`` (``kind``): a 500, the server goes on."""
+
+    def __init__(self, kind: str):
+        super().__init__(f"the reward raised {kind}")
+        self.kind = kind
 
 
 class Batcher:
@@ -79,7 +98,7 @@ class Batcher:
         self.calls = 0  # reward calls made, for /health and tests
         self._last_batch = 0  # images in the last call
         self._taken = 0  # batches taken so far (orders requests by when they were last served)
-        self._suspects: dict[object, float] = {}  # connection → until when its requests go alone
+        self._suspects: dict[object, float] = {}  # connection or input → until when its requests go alone
         self._queue: deque[_Slice] = deque()
         self._arrived = asyncio.Event()
         self._worker: asyncio.Task | None = None
@@ -103,7 +122,9 @@ class Batcher:
         if n == 0:
             return []
         loop = asyncio.get_running_loop()
-        pending = _Pending(request, loop.create_future(), [None] * n, n, source=source)
+        pending = _Pending(
+            request, loop.create_future(), [None] * n, n, source=source, keys=_keys(request, source)
+        )
         now = loop.time()
         self._queue.extend(
             _Slice(pending, i, min(i + self.max_batch, n), now) for i in range(0, n, self.max_batch)
@@ -149,16 +170,29 @@ class Batcher:
         self._queue = deque(sorted(self._queue, key=lambda s: s.pending.served))
 
     def _suspect(self, pending: _Pending) -> bool:
-        until = self._suspects.get(pending.source)
-        if until is not None and until < asyncio.get_running_loop().time():
-            del self._suspects[pending.source]
-            return False
-        return until is not None
+        """Whether the request's connection or one of its inputs failed alone lately."""
+        now, found = asyncio.get_running_loop().time(), False
+        for key in pending.keys:
+            until = self._suspects.get(key)
+            if until is not None and until < now:
+                del self._suspects[key]
+            found = found or (until is not None and until >= now)
+        return found
+
+    def _mark(self, pending: _Pending, failed: bool) -> None:
+        """After a request failed alone, mark its keys; after one succeeded, clear them."""
+        until = asyncio.get_running_loop().time() + SUSPECT_S
+        for key in pending.keys:
+            self._suspects.pop(key, None)
+            if failed:
+                self._suspects[key] = until  # re-inserted: the dict stays in order of marking
+        while len(self._suspects) > MAX_SUSPECTS:
+            del self._suspects[next(iter(self._suspects))]
 
     def _take(self, size) -> list[_Slice]:
-        """Up to ``max_batch`` queued images of ``size``. A request from a connection whose request
-        failed the reward recently goes alone (so one failing client does not make every merged call
-        fail and be halved), and the others are not merged with it."""
+        """Up to ``max_batch`` queued images of ``size``. A suspect request (its connection or one of
+        its inputs failed alone lately) goes alone, so one failing client does not make every merged
+        call fail and be halved; the others are not merged with it."""
         batch, room, rest = [], self.max_batch, deque()
         alone = None  # the suspect request this call scores on its own
         for s in self._queue:
@@ -196,9 +230,8 @@ class Batcher:
             results = await asyncio.get_running_loop().run_in_executor(self._thread, self._call, batch)
         except Exception as exc:
             requests = list(dict.fromkeys(id(s.pending) for s in batch))  # in arrival order
-            if len(requests) == 1:  # found alone: its connection's next requests are not merged
-                if batch[0].pending.source is not None:
-                    self._suspects[batch[0].pending.source] = asyncio.get_running_loop().time() + SUSPECT_S
+            if len(requests) == 1:  # found alone: requests sharing its connection or inputs go alone
+                self._mark(batch[0].pending, failed=True)
                 return self._fail(batch[0].pending, exc)
             # find whose input failed by halving: one bad request among n costs O(log n) extra calls
             half = set(requests[: len(requests) // 2])
@@ -209,6 +242,7 @@ class Batcher:
             s.pending.scores[s.start : s.stop] = scores
             s.pending.left -= s.stop - s.start
             if s.pending.left == 0 and not s.pending.future.done():
+                self._mark(s.pending, failed=False)
                 s.pending.future.set_result(s.pending.scores)
 
     def _call(self, batch: list[_Slice]) -> list[tuple[_Slice, list[float | None]]]:
@@ -234,7 +268,7 @@ class Batcher:
         except (
             BaseException
         ) as exc:  # SystemExit / KeyboardInterrupt inside a reward must not stop the server
-            raise RewardAborted(f"the reward raised {type(exc).__name__}: {exc}") from None
+            raise RewardAborted(type(exc).__name__) from exc
         scores = _to_scores(raw, len(prompts))
         out, i = [], 0
         for s in good:

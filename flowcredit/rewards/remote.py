@@ -1,7 +1,8 @@
 """``remote`` reward: the client of ``flowcredit serve-reward`` (flowcredit/rewards/server.py).
 
 On its first call the client reads the server's limits (``GET /health``). From then on it splits any
-batch into requests that fit them (at most ``max_batch`` images and ``max_body_bytes`` each) and keeps
+batch into requests that fit them (at most ``max_batch`` images, ``max_body_bytes`` and, besides the
+images, ``max_text_bytes`` each) and keeps
 up to ``in_flight`` of them open at once on one httpx2 connection pool. Connection errors, timeouts
 and the answers 408, 429, 500, 502, 503 and 504 are retried, at most ``retries`` times per request,
 after ``backoff · 2^k`` seconds. Every request of a call shares one deadline, ``timeout`` seconds after
@@ -23,13 +24,14 @@ from urllib.parse import quote
 import torch
 
 from flowcredit.errors import UserError
-from flowcredit.rewards.wire import TOKEN_ENV, encode_png
+from flowcredit.rewards.wire import MARK_BYTES, TOKEN_ENV, encode_png
 
 __all__ = ["TOKEN_ENV", "RemoteReward", "RemoteRewardError", "encode_png", "remote"]
 
 RETRIED = {408, 429, 500, 502, 503, 504}
 _BODY_FRAME = len('{"images":[],"prompts":[],"metadata":[]}')
 _ITEM_FRAME = 5  # two quotes around the image and three commas at most, per image
+_MARK = MARK_BYTES  # text the server counts for each image (the placeholder it parses in its stead)
 
 
 class RemoteRewardError(RuntimeError):
@@ -125,30 +127,40 @@ class RemoteReward:
                 "max_body_bytes": int(info.get("max_body_bytes", 64 << 20)),
                 "max_batch": int(info.get("max_batch", 16)),
                 "max_pixels": info.get("max_pixels"),
+                "max_text_bytes": float(info.get("max_text_bytes", math.inf)),  # older servers: none
             }
         return self._limits
 
     def _chunks(self, encoded: list[tuple[str, str, str]], limits: dict) -> list[list[int]]:
-        """Indices of the images of each request: at most ``max_batch`` and ``max_body_bytes``."""
-        chunks, size = [[]], _BODY_FRAME
+        """Indices of the images of each request: at most ``max_batch``, ``max_body_bytes`` and
+        ``max_text_bytes`` besides the images."""
+        chunks, size, text = [[]], _BODY_FRAME, _BODY_FRAME
         for i, (image, prompt, meta) in enumerate(encoded):
-            item = self._fitting(i, image, prompt, meta, limits)
-            if len(chunks[-1]) == limits["max_batch"] or size + item > limits["max_body_bytes"]:
+            item, words = self._fitting(i, image, prompt, meta, limits)
+            full = len(chunks[-1]) == limits["max_batch"] or size + item > limits["max_body_bytes"]
+            if full or text + words > limits["max_text_bytes"]:
                 chunks.append([])
-                size = _BODY_FRAME
+                size, text = _BODY_FRAME, _BODY_FRAME
             chunks[-1].append(i)
-            size += item
+            size, text = size + item, text + words
         return chunks
 
-    def _fitting(self, i: int, image: str, prompt: str, meta: str, limits: dict) -> int:
-        """Bytes of item ``i`` in a request body; :class:`RemoteRewardError` if it alone is too large."""
-        item = len(image) + len(prompt) + len(meta) + _ITEM_FRAME
+    def _fitting(self, i: int, image: str, prompt: str, meta: str, limits: dict) -> tuple[int, int]:
+        """Bytes of item ``i`` in a request body, and of them those besides its image;
+        :class:`RemoteRewardError` if it alone is too large for a request."""
+        words = len(prompt.encode()) + len(meta.encode()) + _ITEM_FRAME + _MARK
+        item = len(image) + words - _MARK
         if _BODY_FRAME + item > limits["max_body_bytes"]:
             raise RemoteRewardError(
                 f"reward server {self.base}: image {i} alone needs a {_BODY_FRAME + item}-byte request, "
                 f"over the server's max_body_bytes {limits['max_body_bytes']}"
             )
-        return item
+        if _BODY_FRAME + words > limits["max_text_bytes"]:
+            raise RemoteRewardError(
+                f"reward server {self.base}: the prompt and metadata of image {i} need {words} bytes, "
+                f"over the server's max_text_bytes {limits['max_text_bytes']:.0f}"
+            )
+        return item, words
 
     def _post_chunk(self, encoded, chunk: list[int], deadline: float) -> list:
         images, prompts, metas = zip(*(encoded[i] for i in chunk))

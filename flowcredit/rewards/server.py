@@ -6,17 +6,18 @@
     GET  /health        -> 200 {"status": "ok", "rewards": [...], limits}   (also /info; no token)
 
 A Starlette app on uvicorn (with the httptools parser, which refuses duplicate Content-Length headers
-and malformed requests with a 400). Concurrent requests to one reward are merged into reward calls of
-at most ``max_batch`` images (batcher.py). Each request has one deadline (``timeout_s``) covering
-the wait for room for its body (announced bytes, ``max_concurrency × max_body_bytes`` in all),
-reading the body (within ``body_timeout_s``), the wait for one of ``max_concurrency`` scoring slots
-and scoring; past it the answer is 408 (body still arriving) or 503. A slow upload holds only its own
-bytes, so it does not take a scoring slot from anyone. Errors answer ``{"error": "..."}`` with no
-memory address, token or file path: 400 malformed request (or a PNG over 8 bits per channel), 401
-bad token, 404 unknown path or reward, 411 no Content-Length, 413 body or image over the limit
-(answered before the body is read; the server keeps reading and discarding the rest, so the client
-gets the answer), 422 the reward rejected the input (``ValueError``), 500 the reward failed (another
-exception, ``SystemExit`` / ``KeyboardInterrupt`` inside it, or the wrong number of scores).
+and malformed requests with a 400), behind flowcredit's connection protocol (connections.py: request
+heads bounded in time, bytes and lines; connections admitted per client address and in all).
+Concurrent requests to one reward are merged into reward calls of at most ``max_batch`` images
+(batcher.py). Each request has one deadline (``timeout_s``) covering reading the body (within
+``body_timeout_s``; its bytes are charged to a budget of ``max_concurrency × max_body_bytes`` as they
+arrive), the wait for one of ``max_concurrency`` scoring slots and scoring; past it the answer is 408
+(body still arriving) or 503. Errors answer ``{"error": "..."}``: 400 malformed request (or a PNG
+that is not 8-bit), 401 bad token, 404 unknown path or reward, 411 no Content-Length, 413 body, text
+or image over the limit (a body's Content-Length is checked before it is read), 415 not JSON, 422
+the reward rejected the input (``ValueError``), 431 request head too large, 500 the reward failed,
+503 busy. A reward's exception is named by its type and an error id, never its text, which goes to
+the log (docs/rewards.md, "Remote rewards").
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import threading
 from flowcredit.errors import UserError
 from flowcredit.rewards import Reward, get_reward, parse_mix
 from flowcredit.rewards.app import Limits, create_app, require_stack
+from flowcredit.rewards.connections import Admission, guarded_protocol
 from flowcredit.rewards.wire import TOKEN_ENV
 
 __all__ = ["Limits", "RunningServer", "build_rewards", "create_app", "main", "start_server"]
@@ -49,57 +51,21 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def guarded_protocol(header_timeout_s: float):
-    """uvicorn's httptools protocol with a request-head deadline, which uvicorn lacks (its keep-alive
-    timer stops at the first byte): a connection that has not sent a complete request head within
-    ``header_timeout_s`` of opening, or of its last answer, is closed. That ends idle connections,
-    half-sent request lines, and bodies dripped after an early answer (e.g. a 401)."""
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    class GuardedProtocol(HttpToolsProtocol):
-        _head_timer = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def on_headers_complete(self) -> None:
-            self._disarm()
-            super().on_headers_complete()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing() and not self.pipeline:  # waiting for the next request
-                self._arm()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._head_timer = self.loop.call_later(header_timeout_s, self._expire)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _expire(self) -> None:
-            if not self.transport.is_closing():
-                self.transport.close()
-
-    return GuardedProtocol
-
-
-def _uvicorn(app, limits: Limits, quiet: bool):
+def _uvicorn(app, limits: Limits, quiet: bool, trusted_proxies: str | None = None):
+    """The uvicorn server of ``app``. Connections are admitted by flowcredit's protocol (per address
+    and in all), so uvicorn's own ``limit_concurrency``, which refuses requests on connections already
+    open, is off. ``X-Forwarded-For`` is read only from ``trusted_proxies`` (uvicorn trusts 127.0.0.1
+    by default, which would let any local client name itself)."""
     uvicorn = require_stack()
     config = uvicorn.Config(
         app,
-        http=guarded_protocol(limits.header_timeout_s),
+        http=guarded_protocol(limits, Admission(limits)),
+        ws="none",
         lifespan="on",
-        limit_concurrency=limits.max_connections,
+        limit_concurrency=None,
         timeout_keep_alive=5,
+        proxy_headers=bool(trusted_proxies),
+        forwarded_allow_ips=trusted_proxies or "",
         log_level="warning" if quiet else "info",
         access_log=not quiet,
     )
@@ -117,10 +83,10 @@ class RunningServer:
     ``url`` is where it listens; ``stop()`` (or leaving a ``with`` block) shuts it down.
     """
 
-    def __init__(self, app, *, host: str, port: int, limits: Limits, quiet: bool):
+    def __init__(self, app, *, host: str, port: int, limits: Limits, quiet: bool, trusted_proxies=None):
         self._sock = _listen(host, port)
         self.url = _url(self._sock)
-        self._server = _uvicorn(app, limits, quiet)
+        self._server = _uvicorn(app, limits, quiet, trusted_proxies)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
         )
@@ -151,11 +117,15 @@ def start_server(
     token: str | None = None,
     limits: Limits | None = None,
     quiet: bool = True,
+    trusted_proxies: str | None = None,
 ) -> RunningServer:
-    """Serve ``rewards`` (``{name: Reward or reward_fn}``) from a background thread; port 0: any free one."""
+    """Serve ``rewards`` (``{name: Reward or reward_fn}``) from a background thread; port 0: any free one.
+    ``trusted_proxies``: addresses whose ``X-Forwarded-For`` is believed (comma-separated)."""
     limits = limits or Limits()
     app = create_app(rewards, token=token, limits=limits, quiet=quiet)
-    return RunningServer(app, host=host, port=port, limits=limits, quiet=quiet)
+    return RunningServer(
+        app, host=host, port=port, limits=limits, quiet=quiet, trusted_proxies=trusted_proxies
+    )
 
 
 def build_rewards(specs: list[str], options: dict) -> dict[str, Reward]:
@@ -182,6 +152,25 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+LIMIT_FLAGS = [  # flag, Limits field, type, unit (field = flag value × unit), meaning
+    ("--max-body-mb", "max_body_bytes", float, 1 << 20, "largest body, MiB"),
+    ("--max-batch", "max_batch", int, 1, "most images per reward call"),
+    ("--max-wait-ms", "max_wait_ms", float, 1, "longest wait to fill a call"),
+    ("--max-pixels", "max_pixels", int, 1, "largest image, in pixels"),
+    ("--max-json-values", "max_json_values", int, 1, "JSON values per body"),
+    ("--max-text-kb", "max_text_bytes", float, 1 << 10, "KiB of a body outside its images"),
+    ("--timeout", "timeout_s", float, 1, "total seconds per request"),
+    ("--body-timeout", "body_timeout_s", float, 1, "seconds to receive a body"),
+    ("--header-timeout", "header_timeout_s", float, 1, "seconds to send a request head"),
+    ("--max-header-bytes", "max_header_bytes", int, 1, "largest request head, bytes"),
+    ("--max-headers", "max_headers", int, 1, "most header lines in a request head"),
+    ("--max-concurrency", "max_concurrency", int, 1, "requests parsed and scored at once"),
+    ("--max-connections", "max_connections", int, 1, "open connections in all"),
+    ("--max-client-connections", "max_client_connections", int, 1, "open connections per client address"),
+    ("--max-client-connects-per-s", "max_client_connects_per_s", float, 1, "new connections/s per address"),
+]
+
+
 def _parser() -> argparse.ArgumentParser:
     d = Limits()
     p = argparse.ArgumentParser(prog="flowcredit serve-reward", description=__doc__.split("\n\n")[0])
@@ -196,22 +185,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
     p.add_argument("--token", default=None, help=f"bearer token (prefer the env variable {TOKEN_ENV})")
     p.add_argument("--reward-options", default="", help='JSON {"name": {"option": value}}, as reward_options')
+    for flag, field, kind, unit, meaning in LIMIT_FLAGS:
+        default = getattr(d, field) / unit
+        p.add_argument(flag, type=kind, default=kind(default), help=f"{meaning} (default {kind(default)})")
     p.add_argument(
-        "--max-body-mb", type=float, default=d.max_body_bytes / (1 << 20), help="largest body, MiB"
+        "--trusted-proxies",
+        default=None,
+        help="comma-separated addresses whose X-Forwarded-For names the client (default: none)",
     )
-    p.add_argument("--max-batch", type=int, default=d.max_batch, help="most images per reward call")
-    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_ms, help="longest wait to fill a call")
-    p.add_argument("--max-pixels", type=int, default=d.max_pixels, help="largest image, in pixels")
-    p.add_argument("--max-json-values", type=int, default=d.max_json_values, help="JSON values per body")
-    p.add_argument("--timeout", type=float, default=d.timeout_s, help="total seconds per request")
-    p.add_argument("--body-timeout", type=float, default=d.body_timeout_s, help="seconds to receive a body")
-    p.add_argument(
-        "--header-timeout", type=float, default=d.header_timeout_s, help="seconds to send a request head"
-    )
-    p.add_argument("--max-concurrency", type=int, default=d.max_concurrency, help="requests in progress")
-    p.add_argument("--max-connections", type=int, default=d.max_connections, help="open connections")
     p.add_argument("--quiet", action="store_true", help="do not log each request")
     return p
+
+
+def _limits(args) -> Limits:
+    """The :class:`Limits` the flags give (each field in its own unit and type)."""
+    d = Limits()
+    values = {
+        field: getattr(args, flag[2:].replace("-", "_")) * unit for flag, field, _, unit, _ in LIMIT_FLAGS
+    }
+    return Limits(**{field: type(getattr(d, field))(value) for field, value in values.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,20 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"serve-reward: --reward-options is not JSON: {exc}", file=sys.stderr)
         return 2
-    limits = Limits(
-        max_body_bytes=int(args.max_body_mb * (1 << 20)),
-        max_batch=args.max_batch,
-        max_wait_ms=args.max_wait_ms,
-        max_pixels=args.max_pixels,
-        max_json_values=args.max_json_values,
-        timeout_s=args.timeout,
-        body_timeout_s=args.body_timeout,
-        header_timeout_s=args.header_timeout,
-        max_concurrency=args.max_concurrency,
-        max_connections=args.max_connections,
-    )
+    limits = _limits(args)
     app = create_app(build_rewards(args.reward, options), token=token, limits=limits, quiet=args.quiet)
     sock = _listen(args.host, args.port)
     print(f"serving rewards {args.reward} on {_url(sock)} (POST /score/NAME, GET /health)", flush=True)
-    _uvicorn(app, limits, args.quiet).run(sockets=[sock])
+    _uvicorn(app, limits, args.quiet, args.trusted_proxies).run(sockets=[sock])
     return 0

@@ -2,10 +2,13 @@
 
 A score request is JSON ``{"images": [base64 PNG, ...], "prompts": [str, ...], "metadata": [{...}, ...]}``.
 Images travel as 8-bit RGB PNG, so a remote reward sees ``round(255·x)/255``, exactly what the server
-decodes. Nothing is ever pickled. Parsing checks everything that can be checked without decompressing
-pixels (JSON shape, base64, the PNG signature, structure and checksums, each image's size against
-``max_pixels``, one size per request), so a request that cannot fit is refused before any decoding;
-pixels are decoded later, one reward batch at a time (:func:`decode_pngs`).
+decodes. Nothing is ever pickled. Parsing takes the images (long base64 strings) out of the body
+before the rest is parsed as JSON (:func:`split_images`), so they never become Python strings and
+that rest, the only part a character can widen (to 4 bytes), is bounded by ``max_text_bytes``. It
+checks everything that can be checked without decompressing pixels (JSON shape, base64, the PNG
+format, bit depth and colour type as PIL reads them, chunk structure and checksums, each image's size
+against ``max_pixels``, one size per request), so a request that cannot fit is refused before any
+decoding; pixels are decoded later, one reward batch at a time (:func:`decode_pngs`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import binascii
 import io
 import json
 import re
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,22 +37,15 @@ class ServeError(Exception):
         self.status = status
 
 
-_PATH = re.compile(r"(?:[A-Za-z]:\\|~?/)(?:[\w.@+-]+[/\\])+[\w.@+-]*")  # /a/b/c, ~/x/y, C:\x\y
-
-
-def without_paths(text: str) -> str:
-    """``text`` with file paths of two or more parts replaced by ``(path)`` (a reward's exception
-    may name its weights' location; the server's own log keeps the full text)."""
-    return _PATH.sub("(path)", text)
-
-
 def public_message(text: str, secrets: tuple[str, ...] = ()) -> str:
     """``text`` fit for an error body: memory addresses and secrets (of 8+ characters: a shorter one
-    would garble common words) removed, at most 500 characters."""
+    would garble common words) removed, lone surrogates escaped (the body must encode as UTF-8), at
+    most 500 characters."""
     for secret in secrets:
         if len(secret) >= 8:
             text = text.replace(secret, "***")
     text = _ADDRESS.sub("(address)", _REPR_ADDRESS.sub("", text))
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= 500 else text[:497] + "..."
 
 
@@ -73,28 +70,42 @@ class ScoreRequest:
     metadata: list[dict]
 
 
-def _png_size(data, max_pixels: int) -> tuple[bytes, tuple[int, int]]:
-    """Base64 PNG → its bytes and ``(W, H)``, read from the header; ``ServeError`` 400 or 413."""
+EXACT_RAWMODES = frozenset({"1", "L;2", "L;4", "L", "LA", "P;1", "P;2", "P;4", "P", "RGB", "RGBA"})
+"""PNG pixel layouts (PIL's raw modes) whose 8-bit RGB is exact: 8-bit grey, RGB, RGBA, palettes,
+and 1/2/4-bit grey (scaled exactly). 16-bit ones (e.g. ``I;16B``, ``RGB;16B``) are refused: PIL
+would clip or truncate them."""
+
+
+def _check_layout(img) -> None:
+    """``ServeError`` 400 unless PIL decodes ``img`` (as it parsed the header, wherever IHDR was and
+    however many there were) from one of :data:`EXACT_RAWMODES`."""
+    rawmode = img.tile[0][3] if img.tile else None
+    if rawmode not in EXACT_RAWMODES:
+        raise ServeError(400, f"images must be 8-bit PNGs (grey, RGB, RGBA or palette), got {rawmode}")
+
+
+def _png(data, max_pixels: int) -> tuple[bytes, tuple[int, int]]:
+    """An image of the body (its base64: bytes-like, or a short ``str``) → PNG bytes and ``(W, H)``,
+    checked by PIL without decoding pixels: format, layout, size against ``max_pixels``, chunk structure
+    and CRCs; ``ServeError`` 400 or 413."""
     from PIL import Image
 
-    if not isinstance(data, str):
+    if not isinstance(data, (str, memoryview)):
         raise ServeError(400, "images must be base64 PNG strings")
     try:
-        png = base64.b64decode(data, validate=True)
+        png = base64.b64decode(data, validate=True) if isinstance(data, str) else binascii.a2b_base64(data)
         with Image.open(io.BytesIO(png)) as img:
             fmt, size = img.format, img.size
-            if fmt == "PNG" and size[0] * size[1] <= max_pixels:
-                img.verify()  # chunk structure and CRCs, without decompressing the pixels
+            if fmt != "PNG":
+                raise ServeError(400, f"images must be PNG, got {fmt}")
+            _check_layout(img)
+            if size[0] * size[1] > max_pixels:
+                raise ServeError(413, f"image of {size[0]}x{size[1]} exceeds {max_pixels} pixels")
+            img.verify()  # chunk structure and CRCs, without decompressing the pixels
     except Image.DecompressionBombError:
         raise ServeError(413, f"image refused: more than {Image.MAX_IMAGE_PIXELS} pixels") from None
     except (binascii.Error, ValueError, OSError, SyntaxError) as exc:  # PIL raises all of these
         raise ServeError(400, f"undecodable image: {type(exc).__name__}: {exc}") from None
-    if fmt != "PNG":
-        raise ServeError(400, f"images must be PNG, got {fmt}")
-    if len(png) > 24 and png[24] > 8:  # IHDR's bit depth: 8-bit channels only (16-bit grey clipped at 255)
-        raise ServeError(400, f"images must be 8-bit PNGs, got {png[24]} bits per channel")
-    if size[0] * size[1] > max_pixels:
-        raise ServeError(413, f"image of {size[0]}x{size[1]} exceeds {max_pixels} pixels")
     return png, size
 
 
@@ -104,10 +115,98 @@ def json_values_bound(body: bytes) -> int:
     return sum(body.count(c) for c in (b",", b":", b"[", b"{")) + 1
 
 
-def parse_score_request(body: bytes, max_pixels: int, max_values: int = 100_000) -> ScoreRequest:
+_ALPHABET = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/="
+_ESCAPED_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # a JSON string's rest, to its closing quote
+MARK_BYTES = 32  # text a placeholder takes (``"\u0000`` + 16 hex digits + ``:k"``), counted per image
+
+
+def _over(text: int, max_text: int) -> ServeError:
+    return ServeError(
+        413,
+        f"body holds over {max_text} bytes besides its images (max_text_bytes; prompts, metadata, JSON "
+        f"syntax and {MARK_BYTES} bytes an image), {text} at least",
+    )
+
+
+def _all_base64(view: memoryview, a: int, b: int, step: int = 1 << 20) -> bool:
+    """Whether ``view[a:b]`` holds base64 characters only; copied a MiB at a time (C speed)."""
+    return not any(bytes(view[i : min(b, i + step)]).translate(None, _ALPHABET) for i in range(a, b, step))
+
+
+def image_spans(body, max_text: int) -> list[tuple[int, int]]:
+    """Where the images of ``body`` lie: its JSON strings of 64 characters or more, all base64 (quotes
+    excluded). The rest, text, is counted as the scan goes, ``MARK_BYTES`` an image included, and
+    413 is raised as soon as it exceeds ``max_text``: a body costs at most ``max_text`` bytes of
+    scanning in Python's regex engine, its images a pass of ``find`` and one of ``translate`` (a MiB
+    at a time). Every
+    quote outside a string opens one, in JSON as here, so the scan splits strings as JSON does."""
+    spans, pos, text = [], 0, 0
+    with memoryview(body) as view:
+        while (a := body.find(b'"', pos)) >= 0:
+            b = body.find(b'"', a + 1)
+            if b < 0:
+                break  # unterminated: json.loads says so
+            if body.find(b"\\", a + 1, b) >= 0:  # escapes: text, up to the first quote not escaped
+                rest = _ESCAPED_REST.match(body, a + 1, a + 2 + max(0, max_text - text))
+                b = rest.end() - 1 if rest else len(body) - 1
+            elif b - a > 64 and _all_base64(view, a + 1, b):
+                spans.append((a + 1, b))
+                text += a - pos + MARK_BYTES
+                pos = b + 1
+                continue
+            text += b + 1 - pos
+            if text > max_text:
+                raise _over(text, max_text)
+            pos = b + 1
+    text += len(body) - pos
+    if text > max_text:
+        raise _over(text, max_text)
+    return spans
+
+
+def split_images(body, max_text: int) -> tuple[bytes, str, list[tuple[int, int]]]:
+    """Take the images (:func:`image_spans`) out of ``body``: ``(text, mark, spans)``, where ``text``
+    is the body with the k-th image's string replaced by the JSON string ``mark + str(k)`` (``mark``
+    holds a random nonce) and ``spans[k]`` is where its base64 lies in ``body``. Only ``text`` is
+    parsed as JSON, so images never become Python strings, and a string with one non-BMP character
+    (4 bytes a character once parsed) can only be text, at most ``max_text`` bytes (413 past it)."""
+    spans = image_spans(body, max_text)
+    nonce = secrets.token_hex(8)
+    parts, pos = [], 0
+    for k, (a, b) in enumerate(spans):
+        parts += [body[pos : a - 1], f'"\\u0000{nonce}:{k}"'.encode()]
+        pos = b + 1
+    parts.append(body[pos:])
+    return b"".join(parts), f"\x00{nonce}:", spans
+
+
+def _restore(value, mark: str, strings: dict[int, str]):
+    """``value`` (a prompt or metadata) with every placeholder (``mark`` + k), key or value, put back as
+    the base64 text it replaced; iterative, as metadata may nest as deep as JSON allows."""
+    put_back = lambda x: strings[int(x[len(mark) :])] if isinstance(x, str) and x.startswith(mark) else x  # noqa: E731
+    value, todo = put_back(value), []
+    todo.append(value)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            items = [(put_back(k), put_back(v)) for k, v in node.items()]
+            node.clear()
+            node.update(items)
+        elif isinstance(node, list):
+            node[:] = map(put_back, node)
+        else:
+            continue
+        todo.extend(node.values() if isinstance(node, dict) else node)
+    return value
+
+
+def parse_score_request(
+    body, max_pixels: int, max_values: int = 100_000, max_text: int = 1 << 20
+) -> ScoreRequest:
     """JSON body → :class:`ScoreRequest`; ``ServeError`` 400 (malformed, nested too deep) or 413 (an
-    image too large, or more than ``max_values`` JSON values: parsed, each costs 30–100 bytes however
-    short it is in the body, so a body of tiny values would cost 20× its size; it is refused first)."""
+    image too large, more than ``max_values`` JSON values, or more than ``max_text`` bytes besides the
+    images). Memory beside the body: its PNG bytes (¾ of their base64), and at most 10 × ``max_text``
+    and 150 bytes a JSON value for the rest (docs/rewards.md, "Limits and memory")."""
     values = json_values_bound(body)
     if values > max_values:
         raise ServeError(
@@ -115,12 +214,37 @@ def parse_score_request(body: bytes, max_pixels: int, max_values: int = 100_000)
             f"body holds up to {values} JSON values, over max_json_values {max_values} (images, prompts "
             "and small metadata need far fewer)",
         )
+    text, mark, spans = split_images(body, max_text)
     try:
-        req = json.loads(body)
+        req = json.loads(text)
     except RecursionError:
         raise ServeError(400, "body is not JSON: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ServeError(400, f"body is not JSON: {exc}") from None
+    del text
+    images, prompts, metadata = _shape(req)
+    placed = {int(x[len(mark) :]) for x in images if isinstance(x, str) and x.startswith(mark)}
+    if len(placed) < len(spans):  # long base64 strings in prompts or metadata: put back
+        strings = {k: bytes(body[a:b]).decode("ascii") for k, (a, b) in enumerate(spans) if k not in placed}
+        prompts = [_restore(x, mark, strings) for x in prompts]
+        metadata = [_restore(x, mark, strings) for x in metadata]
+    if not all(isinstance(p, str) for p in prompts) or not all(isinstance(m, dict) for m in metadata):
+        raise ServeError(400, "prompts must be strings and metadata objects")
+    pngs, sizes = [], set()
+    with memoryview(body) as view:
+        for x in images:
+            placeholder = isinstance(x, str) and x.startswith(mark)
+            a, b = spans[int(x[len(mark) :])] if placeholder else (0, 0)
+            png, size = _png(view[a:b] if placeholder else x, max_pixels)
+            pngs.append(png)
+            sizes.add(size)
+    if len(sizes) > 1:
+        raise ServeError(400, f"all images must have one size, got {sorted(sizes)}")
+    return ScoreRequest(pngs, sizes.pop() if sizes else None, prompts, metadata)
+
+
+def _shape(req) -> tuple[list, list, list]:
+    """``(images, prompts, metadata)`` of a parsed body; ``ServeError`` 400 if its shape is wrong."""
     if not isinstance(req, dict) or not {"images", "prompts"} <= set(req) <= {
         "images",
         "prompts",
@@ -136,28 +260,22 @@ def parse_score_request(body: bytes, max_pixels: int, max_values: int = 100_000)
     if not len(images) == len(prompts) == len(metadata):
         counts = f"{len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata"
         raise ServeError(400, f"{counts}: must match")
-    if not all(isinstance(p, str) for p in prompts) or not all(isinstance(m, dict) for m in metadata):
-        raise ServeError(400, "prompts must be strings and metadata objects")
-    pngs, sizes = [], set()
-    for i in range(len(images)):
-        png, size = _png_size(images[i], max_pixels)
-        images[i] = None  # drop the base64 text as we go: the request holds each image once
-        pngs.append(png)
-        sizes.add(size)
-    if len(sizes) > 1:
-        raise ServeError(400, f"all images must have one size, got {sorted(sizes)}")
-    return ScoreRequest(pngs, sizes.pop() if sizes else None, prompts, metadata)
+    return images, prompts, metadata
 
 
 def decode_pngs(pngs: list[bytes]) -> np.ndarray:
-    """PNG files of one size → ``(B, H, W, 3)`` uint8 pixels; ``ServeError`` 400 if corrupt."""
+    """PNG files of one size → ``(B, H, W, 3)`` uint8 pixels; ``ServeError`` 400 if corrupt or not
+    one of :data:`EXACT_RAWMODES` (checked again where the pixels are decoded)."""
     from PIL import Image
 
     try:
         arrays = []
         for png in pngs:
             with Image.open(io.BytesIO(png)) as img:
+                _check_layout(img)
                 arrays.append(np.asarray(img.convert("RGB")))
+    except ServeError:
+        raise
     except Exception as exc:  # corrupt pixel data that passed the checksums
         raise ServeError(400, f"undecodable image: {type(exc).__name__}: {exc}") from None
     return np.stack(arrays)
