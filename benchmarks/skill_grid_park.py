@@ -14,6 +14,7 @@ exact: docs/testing.md), and the parked copies can be deleted.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def park(runs: Path, dest: Path) -> list[str]:
         for name in KEEP:
             if (run / name).is_file():
                 shutil.copy2(run / name, tmp / name)
+        _relative_run_dir(tmp / "config.json", run)
         shutil.copytree(checkpoint, tmp / "checkpoint")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
@@ -44,6 +46,17 @@ def park(runs: Path, dest: Path) -> list[str]:
         if (runs / stale.name / "summary.json").exists():  # finished since it was parked
             shutil.rmtree(stale)
     return parked
+
+
+def _relative_run_dir(config: Path, run: Path) -> None:
+    """A parked config names its run folder relative to where the grid runs, not by a machine's path
+    (resuming ignores it: the bench passes ``--run_dir``)."""
+    if not config.is_file():
+        return
+    data = json.loads(config.read_text())
+    if Path(data.get("run_dir", "")).is_absolute():
+        data["run_dir"] = run.as_posix() if not run.is_absolute() else f"runs/{run.parent.name}/{run.name}"
+        config.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def restore(runs: Path, dest: Path) -> list[str]:
