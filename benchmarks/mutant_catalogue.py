@@ -29,8 +29,8 @@ SESSION = "flowcredit/run/session.py"
 MUTANTS = [
     Mutant(
         "adv_sign_in_update", "loop", TRAIN,
-        "clipped_surrogate(step.logp, logp_old, adv[r, i], cfg.clip_range)",
-        "clipped_surrogate(step.logp, logp_old, -adv[r, i], cfg.clip_range)",
+        '"logp_old": logp_old, "adv": adv[r, i]}',
+        '"logp_old": logp_old, "adv": -adv[r, i]}',
         (DIRECTION,), "the update learns to lower the reward (advantage sign flipped)",
     ),
     Mutant(
@@ -41,26 +41,26 @@ MUTANTS = [
     ),
     Mutant(
         "update_with_other_rows_prompt", "loop", TRAIN,
-        "model.velocity(x, s.sigmas[i].expand(len(r)), cond[group[r]])",
-        "model.velocity(x, s.sigmas[i].expand(len(r)), cond[group[r].flip(0)])",
+        "model.velocity(x, plan.sigmas[i].expand(len(r)), cond[group[r]])",
+        "model.velocity(x, plan.sigmas[i].expand(len(r)), cond[group[r].flip(0)])",
         (DIRECTION,), "the update re-scores a transition under another row's prompt",
     ),
     Mutant(
         "update_at_previous_level", "loop", TRAIN,
-        "sigma, sigma_next, level = s.sigmas[i].item(), s.sigmas[i + 1].item(), float(s.levels[i])",
-        "sigma, sigma_next, level = s.sigmas[i].item(), s.sigmas[i + 1].item(), float(s.levels[i - 1])",
+        "sigma, sigma_next, level = plan.sigmas[i].item(), plan.sigmas[i + 1].item(), float(levels[i])",
+        "sigma, sigma_next, level = plan.sigmas[i].item(), plan.sigmas[i + 1].item(), float(levels[i - 1])",
         (DIRECTION,), "the update scores step i with the noise level of step i - 1",
     ),
     Mutant(
         "advantages_one_group", "loop", TRAIN,
-        "s.credit.fn(values_all[ok], group_all[ok], s.trained, **s.credit_kwargs)",
-        "s.credit.fn(values_all[ok], torch.zeros_like(group_all[ok]), s.trained, **s.credit_kwargs)",
+        "s.credit.fn(values_all[ok], group_all[ok], trained, **s.credit_kwargs)",
+        "s.credit.fn(values_all[ok], torch.zeros_like(group_all[ok]), trained, **s.credit_kwargs)",
         (DIRECTION,), "the loop normalises advantages over the batch, not per group",
     ),
     Mutant(
         "update_keeps_dead_groups", "loop", TRAIN,
-        "keep = torch.nonzero(torch.isin(group, live_groups), as_tuple=True)[0]",
-        "keep = torch.nonzero(~torch.isin(group, live_groups), as_tuple=True)[0]",
+        "keep = torch.nonzero(torch.isin(sam.norm_group, live_groups), as_tuple=True)[0]",
+        "keep = torch.nonzero(~torch.isin(sam.norm_group, live_groups), as_tuple=True)[0]",
         (DIRECTION,), "the update trains the zero-advantage groups and drops the live ones",
     ),
     Mutant(
@@ -135,8 +135,8 @@ MUTANTS = [
     ),
     Mutant(
         "ema_not_restored", "resume", SESSION,
-        'if self.ema is not None and state["ema"] is not None:',
-        "if False:",
+        'for kept, saved in ((self.ema, state["ema"]), (self.old, state.get("old"))):',
+        'for kept, saved in ((self.old, state.get("old")),):',
         (f"{RESUME_TP}[tp_grpo-after_trainable]",), "a resumed run restarts its EMA from the weights",
     ),
     Mutant(
@@ -159,7 +159,7 @@ MUTANTS = [
     ),
     Mutant(
         "checkpoint_deleted_before_swap", "resume", "flowcredit/run/checkpoint.py",
-        "        os.replace(final, old)",
+        "        os.replace(final, previous)",
         "        shutil.rmtree(final)",
         (f"{RESUME_TP}[tp_grpo-between_renames]",), "the old checkpoint is deleted before the new one is in",
     ),

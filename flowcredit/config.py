@@ -113,6 +113,21 @@ class Config:
     """turning_point: apply the first-step rule."""
     tp_balance: str = "group"
     """turning_point: 'group' balancing of turning-point signs, or 'none'."""
+    # --- which steps explore and train, how much each counts, and the update rule ---
+    step_schedule: str = "window"
+    """Which steps are SDE (explore) and trained each iteration: a name of
+    flowcredit.step_schedules.STEP_SCHEDULES (window, mixgrpo, tempflow, egrpo)."""
+    step_schedule_options: str = ""
+    """JSON object of the step schedule's own options, e.g. '{"size": 4, "interval": 25}'."""
+    step_weight: str = "uniform"
+    """Per-step policy-loss weight: a name of flowcredit.step_weights.STEP_WEIGHTS (uniform, tempflow,
+    grpo_guard)."""
+    step_weight_options: str = ""
+    """JSON object of the step weight's own options, e.g. '{"normalize": false}'."""
+    update: str = "clipped"
+    """Update rule: a name of flowcredit.updates.UPDATES (clipped, ratio_norm, awm, nft)."""
+    update_options: str = ""
+    """JSON object of the update rule's own options, e.g. '{"time_draws": 4}'."""
     # --- DenseGRPO exploration-space calibration ---
     calibrate: bool = False
     """Calibrate per-step noise ψ before training (DenseGRPO; sampler must be 'dance_sde')."""

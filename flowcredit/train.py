@@ -25,44 +25,61 @@ import torch
 from tqdm import tqdm
 
 from flowcredit.config import Config
-from flowcredit.losses import approx_kl, clipfrac, clipped_surrogate, kl_to_reference
+from flowcredit.losses import approx_kl, clipfrac, kl_to_reference
 from flowcredit.models import FlowModel
 from flowcredit.rewards import Reward
 from flowcredit.rewards.guard import ScoreFn
 from flowcredit.run.calibrate import ensure_psi
 from flowcredit.run.evaluation import evaluate_policy
+from flowcredit.run.forward_update import forward_update, step_old_policy
+from flowcredit.run.micro_batches import micro_batches, param_spread
 from flowcredit.run.outputs import final_artifacts
-from flowcredit.run.rollout import needed_states, rollout, seeded, state_values
+from flowcredit.run.plans import iteration_plan, levels_of, sample
+from flowcredit.run.rollout import needed_states, seeded, state_values
 from flowcredit.run.runlog import RunLog, plot_curves
 from flowcredit.run.session import Session, build_session
+from flowcredit.step_weights import step_weights
+from flowcredit.validation import weight_options
 
 
 def grpo_iteration(s: Session, it: int) -> dict:
-    """One iteration: rollout, values, advantages, PPO update. Returns its metrics; wall-clock
+    """One iteration: plan, rollout, values, advantages, update. Returns its metrics; wall-clock
     seconds per phase go under ``time/`` keys (the trainer writes them to ``timings.jsonl``)."""
     cfg, model, clock = s.cfg, s.model, PhaseClock()
     batch = s.draw(it)  # this rank's whole groups
-    group = batch.group  # (B,) index of each row's prompt
+    plan = iteration_plan(cfg, s.sigmas, it)  # this iteration's grid, SDE steps and trained steps
+    levels = levels_of(plan, cfg, s.psi)  # (M,)
     with torch.no_grad():
         cond = model.encode(batch.prompts)
     sde_gen = seeded(cfg.seed, it, 2)  # the same on every rank: rollout keeps this rank's rows
-    with clock("rollout"):
-        rows, opts = batch.rows, s.rollout_opts
-        ro = rollout(model, cond, group, batch.x0, s.sigmas, s.levels, s.step_fn, sde_gen, rows=rows, **opts)
+    with clock("rollout"), s.sampling_policy():
+        sam = sample(
+            model, cond, batch.group, batch.x0, plan, levels, s.step_fn, sde_gen, batch.rows, **s.rollout_opts
+        )
+    ro, group, trained = sam.ro, sam.group, plan.trained  # group (B,): each row's prompt
     score = ScoreFn(s.reward, cfg.reward, batch.prompts, batch.metas, group, cfg.skip_bad_rewards)
     with clock("values"), s.policy.merged():  # values never enter logp_old: merged weights are safe
+        needs, _, estimator, substeps = s.value_opts
         values, nfe_values = state_values(
-            model, cond, group, ro, s.sigmas, *s.value_opts, score, cfg.batch_size
+            model, cond, group, ro, plan.sigmas, needs, trained, estimator, substeps, score, cfg.batch_size
         )
-    adv, ok = advantages(s, values, group, batch.rows)  # (B, N), (B,)
-    bad_groups = torch.unique(group[~ok])
-    live_groups = torch.unique(group[(adv != 0).any(dim=1)])
-    keep = torch.nonzero(torch.isin(group, live_groups), as_tuple=True)[0]
+    per_rank = cfg.prompts_per_iter // s.dist.world * sam.branches  # normalisation groups on each rank
+    adv, ok = advantages(s, values, sam.norm_group, sam.rows, trained, per_rank)  # (B, M), (B,)
+    if plan.branch:  # each row trains its own branch step only
+        adv = torch.where(sam.row_trained, adv, torch.zeros_like(adv))
+    bad_groups = torch.unique(sam.norm_group[~ok])
+    live_groups = torch.unique(sam.norm_group[(adv != 0).any(dim=1)])
+    keep = torch.nonzero(torch.isin(sam.norm_group, live_groups), as_tuple=True)[0]
     with clock("update"):
-        stats = ppo_update(s, ro, adv, batch.prompts, group, keep, seeded(cfg.seed, it, 3))
+        if s.update.forward:
+            adv_row = adv[:, trained.nonzero()[0, 0]]  # (B,) one advantage per sample (flow_grpo)
+            stats = forward_update(s, ro, adv_row, batch.prompts, group, keep, sam.rows, it)
+        else:
+            stats = ppo_update(s, plan, levels, sam, adv, batch.prompts, keep, seeded(cfg.seed, it, 3))
+    step_old_policy(s)
     final = values[ok, -1]
     total = s.dist.sum_(torch.tensor([final.sum().item(), float(len(final))], dtype=torch.float64))
-    passes = len(group) * s.dist.world * s.guidance_passes  # network rows per velocity call over all ranks
+    passes = s.dist.world * s.guidance_passes  # network calls per row over all ranks
     return {
         "reward/mean": (total[0] / total[1]).item() if total[1] else math.nan,
         "reward/std": final.std(unbiased=False).item() if len(final) else math.nan,
@@ -71,38 +88,33 @@ def grpo_iteration(s: Session, it: int) -> dict:
             for k, v in (score.components[0] if score.components else {}).items()  # [0]: the final images
             if len(s.reward.fns) > 1
         },
-        "adv/abs_mean": adv[:, s.trained].abs().mean().item(),
-        "stats/zero_std_groups": len(torch.unique(group)) - len(live_groups) - len(bad_groups),
+        "adv/abs_mean": adv[:, trained].abs().mean().item(),
+        "stats/zero_std_groups": len(torch.unique(sam.norm_group)) - len(live_groups) - len(bad_groups),
         "stats/bad_reward_groups": len(bad_groups),
-        "nfe/rollout": passes * cfg.num_steps,
-        "nfe/values": nfe_values * s.dist.world * s.guidance_passes,
-        "nfe/train": len(keep)
-        * s.dist.world
-        * int(s.trained.sum())
-        * cfg.inner_epochs
-        * s.guidance_passes
-        * (2 if cfg.beta else 1),
+        "nfe/rollout": passes * sam.nfe,
+        "nfe/values": nfe_values * passes,
+        "nfe/train": stats.pop("train_rows", 0) * passes * cfg.inner_epochs,
         **stats,
         **clock.seconds(reward=score.seconds),
     }
 
 
-def advantages(s: Session, values, group, rows) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's advantages ``(b, N)`` and its rows outside bad-reward groups ``(b,)``.
+def advantages(s: Session, values, group, rows, trained, per_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's advantages ``(b, M)`` and its rows outside bad-reward groups ``(b,)``.
 
     The credit function sees the values of every rank's rows (gathered; a no-op with one process),
     so batch-wide statistics such as ``global_std`` are those of the one-process run. Groups with a
-    NaN value where the method needs one are dropped (advantage 0).
+    NaN value where the method needs one are dropped (advantage 0). ``group (b,)``: normalisation
+    groups, ``per_rank`` of them on every rank.
     """
-    per_rank = s.cfg.prompts_per_iter // s.dist.world
-    values_all = s.dist.gather_rows(values)  # (B, N + 1)
-    group_all = s.dist.gather_rows(group + s.dist.rank * per_rank)  # (B,) global group ids
-    bad = torch.isnan(values_all[:, needed_states(s.credit.needs, s.trained)]).any(dim=1)  # (B,)
-    ok = ~torch.isin(group_all, torch.unique(group_all[bad]))
-    adv = torch.zeros(len(group_all), s.cfg.num_steps)  # (B, N)
-    if ok.any():
-        adv[ok] = s.credit.fn(values_all[ok], group_all[ok], s.trained, **s.credit_kwargs)
     _, lo, hi = rows
+    values_all = s.dist.gather_rows(values)  # (B, M + 1)
+    group_all = s.dist.gather_rows(group + s.dist.rank * per_rank)  # (B,) global group ids
+    bad = torch.isnan(values_all[:, needed_states(s.credit.needs, trained)]).any(dim=1)  # (B,)
+    ok = ~torch.isin(group_all, torch.unique(group_all[bad]))
+    adv = torch.zeros(len(group_all), trained.numel())  # (B, M)
+    if ok.any():
+        adv[ok] = s.credit.fn(values_all[ok], group_all[ok], trained, **s.credit_kwargs)
     return adv[lo:hi], ok[lo:hi]
 
 
@@ -127,10 +139,13 @@ class PhaseClock:
         return {f"time/{k}_s": v for k, v in {**self.totals, **extra}.items()}
 
 
-def ppo_update(s: Session, ro, adv, prompts, group, keep, gen) -> dict:
+def ppo_update(s: Session, plan, levels, sam, adv, prompts, keep, gen) -> dict:
     """PPO over the trained steps: one micro-batch per (step, row chunk), accumulated per update."""
     cfg, model = s.cfg, s.model
-    steps = torch.nonzero(s.trained, as_tuple=True)[0]
+    steps = torch.nonzero(plan.trained, as_tuple=True)[0]
+    rows_at = {int(i): keep[sam.row_trained[keep, i]] for i in steps}  # kept rows that train step i
+    std = sam.ro.std.amax(dim=0)  # (M,) the exploration std of each step
+    weights = step_weights(cfg.step_weight, plan.sigmas, plan.trained, std, weight_options(cfg))  # (M,)
     totals = {
         "loss/policy": 0.0,
         "loss/kl": 0.0,
@@ -140,23 +155,28 @@ def ppo_update(s: Session, ro, adv, prompts, group, keep, gen) -> dict:
         "stats/grad_norm": 0.0,
     }
     count, updates, first_dev = 0, 0, None
-    n_rows = int(s.dist.sum_(torch.tensor(float(len(keep)))).item())  # kept rows over all ranks
-    if n_rows == 0:
+    n_rows = {
+        i: int(s.dist.sum_(torch.tensor(float(len(r)))).item()) for i, r in rows_at.items()
+    }  # all ranks
+    if not any(n_rows.values()):
         return {}
     chunks = 0  # FSDP: every pass is a collective, so every rank runs the busiest rank's count
     if s.dist.sharded:
-        chunks = int(s.dist.gather_rows(torch.tensor([math.ceil(len(keep) / cfg.batch_size)])).max())
+        mine = max(math.ceil(len(r) / cfg.batch_size) for r in rows_at.values())
+        chunks = int(s.dist.gather_rows(torch.tensor([mine])).max())
     for _ in range(cfg.inner_epochs):
         order = steps[torch.randperm(len(steps), generator=gen)]
         for start in range(0, len(order), cfg.steps_per_update):
             window = order[start : start + cfg.steps_per_update].tolist()
             cond, cond_step = None, None
-            units = micro_batches(window, keep, cfg.batch_size, n_rows, s.dist.world, chunks)
+            units = micro_batches(window, rows_at, cfg.batch_size, n_rows, s.dist.world, chunks)
             for i, r, weight, sync in units:
                 if i != cond_step:  # under grad: the text encoder may train
                     cond, cond_step = model.encode(prompts), i
                 with s.dist.accumulating(sync):
-                    out = step_loss(s, ro, adv, prompts, cond, group, r, i, weight)
+                    out = step_loss(
+                        s, plan, levels, sam, adv, prompts, cond, r, i, weight * float(weights[i])
+                    )
                 if weight == 0:  # a zero-weight pass (a rank without rows, or FSDP's padding): no statistics
                     continue
                 if first_dev is None:  # before any optimizer step: exactly 1 (same model, same geometry)
@@ -173,51 +193,30 @@ def ppo_update(s: Session, ro, adv, prompts, group, keep, gen) -> dict:
     out = {k: v / max(count, 1) for k, v in totals.items() if k != "stats/grad_norm"}
     out["stats/grad_norm"] = totals["stats/grad_norm"] / max(updates, 1)
     out["stats/optimizer_steps"] = updates
+    out["train_rows"] = sum(len(r) for r in rows_at.values()) * (2 if cfg.beta else 1)
     if first_dev is not None:
         out["stats/first_ratio_maxdev"] = first_dev
-    if s.dist.world > 1 and not s.dist.sharded:  # every rank must hold the same weights (FSDP: its shards)
-        flat = torch.cat([p.detach().reshape(-1) for p in s.params])[None]
-        out["dist/param_maxdiff"] = (s.dist.gather_rows(flat) - flat).abs().max().item()
-    return out
+    return out | param_spread(s)
 
 
-def micro_batches(window: list[int], keep, batch_size: int, n_rows: int, world: int, chunks: int = 0):
-    """``(step, rows, weight, sync)`` of one optimizer step's micro-batches on this rank: each trained
-    step of ``window`` × chunks of ``batch_size`` kept rows. ``sync`` marks the last one (its backward
-    all-reduces the accumulated gradients).
-
-    ``weight = |rows| / n_rows / |window| · world``: ``n_rows`` counts the kept rows of every rank, so
-    the weights of all ranks' micro-batches sum to 1, and DDP's average over ranks (a division by
-    ``world``) turns the ``· world`` back into the sum. A rank without kept rows still runs one
-    zero-weight pass on row 0, so that every rank joins the all-reduce. ``chunks`` (FSDP, where
-    every forward pass gathers weights collectively): the row chunks of the busiest rank; zero-weight
-    passes pad this rank's micro-batches to ``|window| · chunks``.
-    """
-    units = [
-        (i, keep[lo : lo + batch_size], len(keep[lo : lo + batch_size]) / n_rows / len(window) * world)
-        for i in window
-        for lo in range(0, len(keep), batch_size)
-    ]
-    if not units:
-        units = [(window[0], torch.zeros(1, dtype=torch.long), 0.0)]
-    units += [(window[-1], torch.zeros(1, dtype=torch.long), 0.0)] * (len(window) * chunks - len(units))
-    return [(i, r, weight, k == len(units) - 1) for k, (i, r, weight) in enumerate(units)]
-
-
-def step_loss(s: Session, ro, adv, prompts, cond, group, r, i: int, weight: float) -> dict:
-    """Backward of ``weight·(L_pg + β·KL)`` for rows ``r`` at step ``i``; returns the statistics."""
-    cfg, model = s.cfg, s.model
+def step_loss(s: Session, plan, levels, sam, adv, prompts, cond, r, i: int, weight: float) -> dict:
+    """Backward of ``weight·(L_pg + β·KL)`` for rows ``r`` at step ``i``; returns the statistics.
+    ``L_pg`` is the update rule's loss (``clipped``: Flow-GRPO's surrogate)."""
+    cfg, model, ro, group = s.cfg, s.model, sam.ro, sam.group
     x, x_next = ro.states[r, i], ro.states[r, i + 1]
-    sigma, sigma_next, level = s.sigmas[i].item(), s.sigmas[i + 1].item(), float(s.levels[i])
+    sigma, sigma_next, level = plan.sigmas[i].item(), plan.sigmas[i + 1].item(), float(levels[i])
     with s.dist.wrapped_net(model):  # the DDP forward (the plain network with one process)
-        v = model.velocity(x, s.sigmas[i].expand(len(r)), cond[group[r]])
+        v = model.velocity(x, plan.sigmas[i].expand(len(r)), cond[group[r]])
     step = s.step_fn(v, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode)
     logp_old = ro.logp[r, i]
-    policy_loss = clipped_surrogate(step.logp, logp_old, adv[r, i], cfg.clip_range)
+    given = {"logp_new": step.logp, "logp_old": logp_old, "adv": adv[r, i]}
+    if "mean" in s.update.needs:
+        given |= {"mean_new": step.mean, "mean_old": ro.means[r, i], "std": step.std}
+    policy_loss = s.update.fn(**given, **s.update.split(s.update_opts)[0])
     kl = torch.zeros(())
     if cfg.beta > 0:
         with torch.no_grad(), s.policy.reference():
-            v_ref = model.velocity(x, s.sigmas[i].expand(len(r)), model.encode(prompts)[group[r]])
+            v_ref = model.velocity(x, plan.sigmas[i].expand(len(r)), model.encode(prompts)[group[r]])
             mean_ref = s.step_fn(
                 v_ref, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode
             ).mean

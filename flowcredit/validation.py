@@ -1,7 +1,8 @@
 """Checking a whole :class:`~flowcredit.config.Config`: ``validate`` rejects bad values and
 inconsistent combinations with a message naming the field (it never silently corrects input);
 ``apply_overrides`` applies ``--key value`` pairs, then validates; ``credit_options`` resolves the
-credit method's options; ``import_plugins`` imports the modules of ``--imports``.
+credit method's options, ``schedule_options``, ``weight_options`` and ``update_options`` those of the
+step schedule, step weight and update rule; ``import_plugins`` imports the modules of ``--imports``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from flowcredit.errors import ConfigError, UserError
 from flowcredit.losses import KL_MODES
 from flowcredit.models.registry import MODELS, VIDEO_MODELS, check_num_frames, is_model_spec
 from flowcredit.sde import LOGP_MODES, SAMPLER_ENTRIES
+from flowcredit.step_schedules import STEP_SCHEDULES
+from flowcredit.step_schedules import resolve_options as resolve_schedule_options
+from flowcredit.step_weights import STEP_WEIGHTS
 from flowcredit.tasks.prompt_sets import PROMPT_WEIGHTS
+from flowcredit.updates import UPDATES
+from flowcredit.updates import resolve_options as resolve_update_options
 from flowcredit.values import ESTIMATORS
 
 
@@ -60,11 +66,105 @@ def credit_options(cfg: Config) -> dict:
     return options
 
 
+def _json_options(cfg: Config, field_name: str) -> dict:
+    """The JSON object in config field ``field_name`` (empty: ``{}``); not JSON or not an object raise."""
+    raw = getattr(cfg, field_name)
+    try:
+        given = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as exc:
+        raise ConfigError(field_name, f"not JSON ({exc.msg})") from None
+    _check(isinstance(given, dict), field_name, "must be a JSON object of option: value")
+    return given
+
+
+def schedule_options(cfg: Config) -> dict:
+    """The options of ``cfg.step_schedule`` (``window``'s start/size from ``window_start``/``window_size``),
+    resolved and checked; errors name ``step_schedule_options`` (or the field that gives the option)."""
+    _check(
+        cfg.step_schedule in STEP_SCHEDULES,
+        "step_schedule",
+        f"{cfg.step_schedule!r} is not one of {sorted(STEP_SCHEDULES)}",
+    )
+    entry = STEP_SCHEDULES[cfg.step_schedule]
+    given = _json_options(cfg, "step_schedule_options")
+    for key, field_name in entry.fields.items():
+        _check(
+            key not in given, "step_schedule_options", f"set option {key!r} with its own field --{field_name}"
+        )
+        given[key] = getattr(cfg, field_name)
+    try:
+        return resolve_schedule_options("step schedule", cfg.step_schedule, entry, given)
+    except ValueError as exc:
+        fields = [f for k, f in entry.fields.items() if f"option {k!r}" in str(exc)]
+        raise ConfigError(fields[0] if fields else "step_schedule_options", str(exc)) from None
+
+
+def weight_options(cfg: Config) -> dict:
+    """The options of ``cfg.step_weight``, resolved and checked (errors name ``step_weight_options``)."""
+    _check(
+        cfg.step_weight in STEP_WEIGHTS,
+        "step_weight",
+        f"{cfg.step_weight!r} is not one of {sorted(STEP_WEIGHTS)}",
+    )
+    try:
+        return resolve_schedule_options(
+            "step weight",
+            cfg.step_weight,
+            STEP_WEIGHTS[cfg.step_weight],
+            _json_options(cfg, "step_weight_options"),
+        )
+    except ValueError as exc:
+        raise ConfigError("step_weight_options", str(exc)) from None
+
+
+def update_options(cfg: Config) -> dict:
+    """The options of ``cfg.update`` (``clipped``'s clip range from ``clip_range``), resolved and checked
+    (errors name ``update_options``)."""
+    _check(cfg.update in UPDATES, "update", f"{cfg.update!r} is not one of {sorted(UPDATES)}")
+    given = _json_options(cfg, "update_options")
+    try:
+        return resolve_update_options(cfg.update, given, {"clip_range": cfg.clip_range})
+    except ValueError as exc:
+        raise ConfigError("update_options", str(exc)) from None
+
+
+def _check_methods(cfg: Config) -> None:
+    """The step schedule, step weight and update rule, and how they combine with the rest."""
+    schedule_options(cfg)
+    weight_options(cfg)
+    update_options(cfg)
+    rule, plain = UPDATES[cfg.update], cfg.step_schedule == "window"
+    if rule.forward:
+        _check(
+            cfg.credit == "flow_grpo",
+            "update",
+            f"{cfg.update!r} trains on the final sample with one advantage per sample: use credit=flow_grpo",
+        )
+        _check(cfg.step_weight == "uniform", "step_weight", f"{cfg.update!r} has no per-step loss to weight")
+        _check(
+            plain,
+            "step_schedule",
+            f"{cfg.update!r} trains on fresh noise, not on the rollout's steps: use 'window'",
+        )
+    if "mean" in rule.needs:
+        _check(
+            cfg.logp_mode == "gaussian", "logp_mode", f"{cfg.update!r} / {cfg.step_weight!r} need 'gaussian'"
+        )
+    if not plain:
+        _check(
+            not (cfg.calibrate or cfg.psi_path),
+            "step_schedule",
+            "DenseGRPO's ψ is calibrated on the fixed window: use step_schedule='window' with it",
+        )
+
+
 def _check_sampler(cfg: Config, start: int, size: int) -> None:
     """The sampler's own constraints (from its registry entry) on the window and the noise level."""
     entry = SAMPLER_ENTRIES[cfg.sampler]
     _check(
-        entry.stochastic, "sampler", f"{cfg.sampler!r} has no noise, so nothing can be trained; use an SDE"
+        entry.stochastic or (cfg.update in UPDATES and UPDATES[cfg.update].forward),
+        "sampler",
+        f"{cfg.sampler!r} has no noise, so nothing can be trained; use an SDE",
     )
     if entry.last_step_deterministic:
         _check(
@@ -111,6 +211,7 @@ def validate(cfg: Config) -> Config:
         f"{cfg.prompt_weights!r} is not one of {sorted(PROMPT_WEIGHTS)}",
     )
     credit_options(cfg)
+    _check_methods(cfg)
     _check(cfg.num_steps >= 2, "num_steps", "must be >= 2")
     _check(cfg.group_size >= 2, "group_size", "GRPO needs at least 2 samples per prompt")
     _check(cfg.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")

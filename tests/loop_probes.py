@@ -55,10 +55,13 @@ def record_iteration(s: Session, monkeypatch, it: int = 0) -> tuple[dict, dict]:
         seen["values"] = values.clone()
         return values, nfe
 
-    def update_spy(s_, ro, adv, prompts, group, keep, gen):
-        seen.update(ro=ro, adv=adv.clone(), prompts=list(prompts), group=group.clone(), keep=keep.clone())
+    def update_spy(s_, plan, levels, sam, adv, prompts, keep, gen):
+        seen.update(
+            ro=sam.ro, adv=adv.clone(), prompts=list(prompts), group=sam.group.clone(), keep=keep.clone()
+        )
+        seen.update(plan=plan, levels=levels.clone(), sampled=sam)
         seen["policy_before_update"] = s_.policy.trainable_state()
-        return real_update(s_, ro, adv, prompts, group, keep, gen)
+        return real_update(s_, plan, levels, sam, adv, prompts, keep, gen)
 
     monkeypatch.setattr(loop, "state_values", values_spy)
     monkeypatch.setattr(loop, "ppo_update", update_spy)

@@ -13,7 +13,8 @@ import torch
 from loop_probes import perturb_lora, record_iteration, small_session, transition_logp
 
 from flowcredit.advantages import CREDITS
-from flowcredit.run.rollout import rollout, seeded
+from flowcredit.run.plans import iteration_plan, sample
+from flowcredit.run.rollout import seeded
 from flowcredit.train import ppo_update
 
 # each credit method through the preset that uses it (dense: ψ from one calibration round)
@@ -94,14 +95,25 @@ def test_the_kl_term_pulls_the_policy_to_the_reference(beta, tmp_path):
     perturb_lora(s)
     batch = s.draw(0)
     cond = s.model.encode(batch.prompts).detach()
-    ro = rollout(
-        s.model, cond, batch.group, batch.x0, s.sigmas, s.levels, s.step_fn, seeded(0, 0, 2), **s.rollout_opts
+    plan = iteration_plan(s.cfg, s.sigmas, 0)
+    sam = sample(
+        s.model,
+        cond,
+        batch.group,
+        batch.x0,
+        plan,
+        s.levels,
+        s.step_fn,
+        seeded(0, 0, 2),
+        batch.rows,
+        **s.rollout_opts,
     )
+    ro = sam.ro
     before = _velocity_gap(s, ro, cond, batch.group)
     assert before > 1e-4
     adv = torch.zeros(len(batch.group), s.cfg.num_steps)
     keep = torch.arange(len(batch.group))
-    stats = ppo_update(s, ro, adv, batch.prompts, batch.group, keep, seeded(0, 0, 3))
+    stats = ppo_update(s, plan, s.levels, sam, adv, batch.prompts, keep, seeded(0, 0, 3))
     after = _velocity_gap(s, ro, cond, batch.group)
     if beta:
         assert stats["loss/kl"] > 0 and after < 0.9 * before, (before, after)

@@ -17,8 +17,8 @@ from test_multiprocess import ROUND_OFF, TORCHRUN, _metrics, _run, _weights, two
 
 from flowcredit.models import load_builtin
 from flowcredit.models.diffusers_common import LORA_WEIGHTS
+from flowcredit.run.micro_batches import micro_batches
 from flowcredit.run.policy import Policy
-from flowcredit.train import micro_batches
 
 SHARD = {"FLOWCREDIT_TEST_FULLY_SHARD": "1"}
 EMA = ("--ema_decay", "0.9")
@@ -110,7 +110,8 @@ def test_sharded_ranks_pad_their_micro_batches_to_the_busiest():
     """Under FSDP every forward pass gathers weights collectively: a rank with fewer kept rows runs
     zero-weight passes until it has run as many as the busiest rank."""
     keep = torch.arange(3)  # this rank: 3 rows (2 chunks of 2); the busiest: 3 chunks
-    units = micro_batches([4, 1], keep, 2, n_rows=8, world=2, chunks=3)
+    rows_at, n_rows = {4: keep, 1: keep}, {4: 8, 1: 8}
+    units = micro_batches([4, 1], rows_at, 2, n_rows=n_rows, world=2, chunks=3)
     assert [(i, r.tolist(), w) for i, r, w, _ in units] == [
         (4, [0, 1], 0.25),
         (4, [2], 0.125),
@@ -120,9 +121,10 @@ def test_sharded_ranks_pad_their_micro_batches_to_the_busiest():
         (1, [0], 0.0),
     ]
     assert [s for *_, s in units] == [False] * 5 + [True]
-    unpadded = micro_batches([4, 1], keep, 2, n_rows=8, world=2)  # DDP, or the busiest rank: as is
+    unpadded = micro_batches([4, 1], rows_at, 2, n_rows=n_rows, world=2)  # DDP, or the busiest rank: as is
     assert [(i, r.tolist(), w, s) for i, r, w, s in unpadded] == [
-        (i, r.tolist(), w, s) for i, r, w, s in micro_batches([4, 1], keep, 2, n_rows=8, world=2, chunks=2)
+        (i, r.tolist(), w, s)
+        for i, r, w, s in micro_batches([4, 1], rows_at, 2, n_rows=n_rows, world=2, chunks=2)
     ]
 
 

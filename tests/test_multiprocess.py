@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flowcredit.train import micro_batches
+from flowcredit.run.micro_batches import micro_batches
 
 TRAIN = "--prompts_per_iter 2 --group_size 6 --num_train_prompts 4 --num_eval_prompts 2".split()
 TRAIN += "--eval_samples_per_prompt 1 --eval_every 0 --num_steps 5 --batch_size 6 --global_std true".split()
@@ -101,7 +101,7 @@ def test_two_process_resume_is_exact(runs):
 
 def test_micro_batches_weigh_rows_over_all_ranks_and_sync_once():
     keep = torch.arange(5)
-    units = micro_batches([3, 1], keep, 2, n_rows=8, world=2)  # 5 of the 8 kept rows are here
+    units = micro_batches([3, 1], {3: keep, 1: keep}, 2, n_rows={3: 8, 1: 8}, world=2)  # 5 of 8 rows here
     assert [(i, r.tolist()) for i, r, _, _ in units] == [
         (3, [0, 1]),
         (3, [2, 3]),
@@ -113,5 +113,11 @@ def test_micro_batches_weigh_rows_over_all_ranks_and_sync_once():
     assert [w for *_, w, _ in units] == [0.25, 0.25, 0.125] * 2  # |r| / 8 / 2 · 2
     assert [s for *_, s in units] == [False] * 5 + [True]  # one all-reduce per optimizer step
     # a rank without kept rows still joins the all-reduce, with a zero-weight pass
-    (only,) = micro_batches([2, 4], torch.zeros(0, dtype=torch.long), 2, n_rows=8, world=2)
+    empty = torch.zeros(0, dtype=torch.long)
+    (only,) = micro_batches([2, 4], {2: empty, 4: empty}, 2, n_rows={2: 8, 4: 8}, world=2)
     assert only[0] == 2 and only[1].tolist() == [0] and only[2] == 0.0 and only[3]
+    # steps trained by different rows (branch plans): each step's rows weigh over that step's count
+    units = micro_batches(
+        [0, 2], {0: torch.tensor([0, 2]), 2: torch.tensor([1])}, 4, n_rows={0: 4, 2: 1}, world=1
+    )
+    assert [(i, r.tolist(), w) for i, r, w, _ in units] == [(0, [0, 2], 0.25), (2, [1], 0.5)]

@@ -38,26 +38,35 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
 
 
 def save_checkpoint(
-    run_dir: Path, *, iteration: int, trainable: dict, optimizer: dict, ema: dict | None, extra: dict
+    run_dir: Path,
+    *,
+    iteration: int,
+    trainable: dict,
+    optimizer: dict,
+    ema: dict | None,
+    extra: dict,
+    old: dict | None = None,
 ) -> Path:
-    """Write ``run_dir/checkpoint`` atomically and return its path."""
+    """Write ``run_dir/checkpoint`` atomically and return its path (``old``: the old policy of a
+    forward-process update rule, beside the EMA)."""
     run_dir = Path(run_dir)
-    final, tmp, old = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
+    final, tmp, previous = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file({k: v.cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
     opt_tensors, opt_meta = flatten_optimizer(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    if ema is not None:
-        save_file({k: v.cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
+    for name, shadow in (("ema", ema), ("old", old)):
+        if shadow is not None:
+            save_file({k: v.cpu().contiguous() for k, v in shadow.items()}, str(tmp / f"{name}.safetensors"))
     meta = {"iteration": iteration, "optimizer": opt_meta, **extra}
     (tmp / "state.json").write_text(json.dumps(meta, indent=1))
     _fsync_dir(tmp)
     if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
+        shutil.rmtree(previous, ignore_errors=True)
+        os.replace(final, previous)
     os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(previous, ignore_errors=True)
     return final
 
 
@@ -77,11 +86,12 @@ def find_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> dict:
-    """Inverse of :func:`save_checkpoint`: ``iteration, trainable, optimizer, ema, extra``."""
+    """Inverse of :func:`save_checkpoint`: ``iteration, trainable, optimizer, ema, old, extra``."""
     meta = json.loads((path / "state.json").read_text())
     optimizer = unflatten_optimizer(load_file(str(path / "optimizer.safetensors")), meta.pop("optimizer"))
-    ema_file = path / "ema.safetensors"
+    ema_file, old_file = path / "ema.safetensors", path / "old.safetensors"
     return {
+        "old": load_file(str(old_file)) if old_file.exists() else None,
         "iteration": meta.pop("iteration"),
         "trainable": load_file(str(path / "trainable.safetensors")),
         "optimizer": optimizer,

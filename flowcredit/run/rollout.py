@@ -103,6 +103,8 @@ class Rollout:
     std: torch.Tensor
     velocities: torch.Tensor | None = None
     """``(B, N, C, H, W)``: the velocity the rollout computed at each state (``keep_velocity``)."""
+    means: torch.Tensor | None = None
+    """``(B, N, C, H, W)``: the mean of each step's Gaussian transition (``keep_mean``)."""
 
 
 def chunked_velocity(model, x, sigma, cond, group, batch_size: int) -> torch.Tensor:
@@ -129,6 +131,7 @@ def rollout(
     batch_size=64,
     rows: tuple[int, int, int] | None = None,
     keep_velocity: bool = False,
+    keep_mean: bool = False,
 ) -> Rollout:
     """Sample ``B`` trajectories with ``step_fn`` and per-step noise ``levels (N,)`` (0 = ODE step).
 
@@ -140,12 +143,13 @@ def rollout(
             noise depends on the seed and its global index only, not on how the batch is split
             over processes. None: ``(B, 0, B)``, the same draws.
         keep_velocity: also return the velocity of every step (one-step values reuse it).
+        keep_mean: also return every step's transition mean (GRPO-Guard's ratio needs the old one).
     """
     b, n = x0.shape[0], sigmas.numel() - 1
     total, lo, hi = rows or (b, 0, b)
     if hi - lo != b:
         raise ValueError(f"rows {rows} do not match the {b} rows of x0")
-    states, logps, stds, velocities = [x0.float()], [], [], []
+    states, logps, stds, velocities, means = [x0.float()], [], [], [], []
     x = states[0]
     for i in range(n):
         sigma = sigmas[i].expand(b)
@@ -166,8 +170,11 @@ def rollout(
         states.append(x)
         logps.append(step.logp)
         stds.append(step.std)
+        if keep_mean:
+            means.append(step.mean.float())
     kept = torch.stack(velocities, 1) if keep_velocity else None
-    return Rollout(torch.stack(states, 1), torch.stack(logps, 1), torch.stack(stds, 1), kept)
+    kept_means = torch.stack(means, 1) if keep_mean else None
+    return Rollout(torch.stack(states, 1), torch.stack(logps, 1), torch.stack(stds, 1), kept, kept_means)
 
 
 def needed_states(needs: str, trained: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from ``psi_path``, or from calibration, which ``flowcredit.train.train`` runs ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -30,7 +31,8 @@ from flowcredit.run.rollout import Batch, draw_batch, noise_levels
 from flowcredit.run.sharding import full_dict, full_optimizer_state, shard_like, shard_optimizer_state
 from flowcredit.sde import SAMPLERS, StepFn
 from flowcredit.tasks.prompt_sets import PROMPT_WEIGHTS, load_prompt_set
-from flowcredit.validation import credit_options
+from flowcredit.updates import UPDATES, Update
+from flowcredit.validation import credit_options, update_options
 
 
 @dataclass
@@ -53,6 +55,9 @@ class Session:
     train_metas: list[dict]
     eval_metas: list[dict]
     psi: torch.Tensor | None = None
+    old: EMA | None = None
+    """The old policy of a forward-process update rule (``Update.old_decay``): a soft-updated copy of
+    the trainable weights, swapped in for its velocity (and, for DiffusionNFT, for sampling)."""
     eval_reward: Reward | None = None
     start_iteration: int = 0
     history: dict = field(default_factory=dict)
@@ -71,6 +76,20 @@ class Session:
         return {"eps": self.cfg.adv_eps, "adv_clip": self.cfg.adv_clip, **credit_options(self.cfg)}
 
     @property
+    def update(self) -> Update:
+        return UPDATES[self.cfg.update]
+
+    @property
+    def update_opts(self) -> dict:
+        """The update rule's options (defaults, ``clip_range`` from its field, ``update_options``)."""
+        return update_options(self.cfg)
+
+    def sampling_policy(self):
+        """The context the rollout samples in: the old policy for a rule that samples with it
+        (DiffusionNFT), the current one otherwise."""
+        return self.old.applied() if self.update.samples_with == "old" else contextlib.nullcontext()
+
+    @property
     def levels(self) -> torch.Tensor:
         """``(N,)`` sampler level of each step (0 outside the window; ψ_i inside it once calibrated)."""
         return noise_levels(self.cfg, self.psi)[0]
@@ -82,7 +101,8 @@ class Session:
         reuse the rollout's velocities (no model call of their own)."""
         cfg = self.cfg
         one_step = self.credit.needs == "states" and cfg.estimator == "euler" and cfg.substeps == 1
-        return {"logp_mode": cfg.logp_mode, "batch_size": cfg.batch_size, "keep_velocity": one_step}
+        opts = {"logp_mode": cfg.logp_mode, "batch_size": cfg.batch_size, "keep_velocity": one_step}
+        return opts | ({"keep_mean": True} if "mean" in self.update.needs else {})
 
     @property
     def value_opts(self) -> tuple[str, torch.Tensor, str, int]:
@@ -119,16 +139,25 @@ class Session:
         calls it (the full tensors are gathered collectively); the files are a 1-process run's."""
         if not (self.dist.is_main or self.dist.sharded):
             return
-        ema = None if self.ema is None else {f"{i:05d}": t for i, t in enumerate(self.ema.shadow)}
+        ema, old = (
+            None if e is None else {f"{i:05d}": t for i, t in enumerate(e.shadow)}
+            for e in (self.ema, self.old)
+        )
         trainable, optimizer = self.policy.trainable_state(), self.optimizer.state_dict()
         if self.dist.sharded:
             trainable, optimizer = full_dict(trainable), full_optimizer_state(optimizer)
-            ema = None if ema is None else full_dict(ema)
+            ema, old = (None if e is None else full_dict(e) for e in (ema, old))
         if not self.dist.is_main:
             return
         extra = {"psi": None if self.psi is None else self.psi.tolist(), "history": self.history}
         save_checkpoint(
-            self.run_dir, iteration=iteration, trainable=trainable, optimizer=optimizer, ema=ema, extra=extra
+            self.run_dir,
+            iteration=iteration,
+            trainable=trainable,
+            optimizer=optimizer,
+            ema=ema,
+            extra=extra,
+            old=old,
         )
 
     def restore(self, state: dict) -> None:
@@ -139,9 +168,10 @@ class Session:
         if self.dist.sharded:
             optimizer = shard_optimizer_state(self.optimizer, optimizer)
         self.optimizer.load_state_dict(optimizer)
-        if self.ema is not None and state["ema"] is not None:
-            for shadow, name in zip(self.ema.shadow, sorted(state["ema"])):
-                shadow.copy_(shard_like(state["ema"][name], shadow))
+        for kept, saved in ((self.ema, state["ema"]), (self.old, state.get("old"))):
+            if kept is not None and saved is not None:
+                for shadow, name in zip(kept.shadow, sorted(saved)):
+                    shadow.copy_(shard_like(saved[name], shadow))
         extra = state["extra"]
         self.psi = torch.tensor(extra["psi"]) if extra.get("psi") is not None else None
         self.history = extra.get("history", {})
@@ -234,6 +264,7 @@ def _assemble(cfg: Config, dist: Dist, run_dir: Path, resume: bool, model, rewar
     if lora_composed(cfg, model, dist.sharded):
         compose_lora(model.net)
     s.ema = EMA(s.params, cfg.ema_decay) if cfg.ema_decay else None
+    s.old = EMA(s.params, 0.0) if s.update.old_decay is not None else None
     ckpt = find_checkpoint(run_dir) if resume else None
     if resume and ckpt is None:
         raise UserError(f"--resume {str(run_dir)!r}: no checkpoint in that run directory")

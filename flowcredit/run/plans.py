@@ -1,0 +1,162 @@
+"""One iteration's steps in the loop: the step schedule's plan (:mod:`flowcredit.step_schedules`), its
+sampler levels, and the rollout that follows it (docs/training.md, "One iteration", step 1).
+
+A plan without branches is one trajectory per row on the plan's grid (MixGRPO's window, E-GRPO's merged
+steps with ``branch=False``, today's fixed window). A branch plan (TempFlow-GRPO, E-GRPO) explores each of
+its SDE steps ``k`` on a branch of its own: the rows of a group share ``x_0`` and so the ODE prefix to
+``x_k`` (the *trunk*, computed once per group), take one SDE step at ``k``, then the ODE to the end.
+Each row then stands for ``K`` rows ``(r, k)``, ordered row-major so that a rank's rows stay a contiguous
+slice of the one-process batch (the noise of a row depends on its global index only); the rows of one
+group at one branch step form a *normalisation group* of their own, so the terminal reward's z-score
+among them is the process reward of step ``k``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flowcredit.config import Config
+from flowcredit.errors import ConfigError
+from flowcredit.run.rollout import Rollout, rollout, seeded
+from flowcredit.sde import SAMPLER_ENTRIES
+from flowcredit.step_schedules import StepPlan, make_plan, plan_levels
+from flowcredit.validation import schedule_options
+
+PLAN_PURPOSE = 4
+"""The :func:`flowcredit.run.rollout.seeded` purpose of a schedule's draws (0–3 are the batch's)."""
+
+
+def iteration_plan(cfg: Config, sigmas: torch.Tensor, iteration: int) -> StepPlan:
+    """The plan of ``cfg.step_schedule`` at ``iteration`` on the grid ``sigmas (N + 1,)``, checked against
+    the sampler (a trained step must have noise) and the method (branches share a prefix)."""
+    plan = make_plan(
+        cfg.step_schedule,
+        sigmas,
+        level=cfg.noise_level,
+        iteration=iteration,
+        total=cfg.iterations,
+        generator=seeded(cfg.seed, iteration, PLAN_PURPOSE),
+        options=schedule_options(cfg),
+    )
+    entry, where = (
+        SAMPLER_ENTRIES[cfg.sampler],
+        f"step_schedule {cfg.step_schedule!r} at iteration {iteration}",
+    )
+    m = plan.sde.numel()
+    if entry.first_step_deterministic and bool(plan.trained[0]) and float(plan.sigmas[0]) >= 1.0:
+        raise ConfigError("step_schedule", f"{where} trains step 0, where {cfg.sampler} has std 0")
+    if entry.last_step_deterministic and bool(plan.trained[m - 1]):
+        raise ConfigError("step_schedule", f"{where} trains the last step, where {cfg.sampler} has std 0")
+    if plan.branch and (cfg.credit != "flow_grpo" or not cfg.shared_noise):
+        raise ConfigError(
+            "shared_noise" if cfg.credit == "flow_grpo" else "credit",
+            f"{where} branches: its rows need shared_noise=true and credit=flow_grpo (a process reward)",
+        )
+    return plan
+
+
+def levels_of(plan: StepPlan, cfg: Config, psi: torch.Tensor | None) -> torch.Tensor:
+    """``(M,)`` sampler levels of the plan: ``noise_level`` (or DenseGRPO's ψ) on SDE steps, 0 elsewhere."""
+    return plan_levels(plan, cfg.noise_level, psi)
+
+
+@dataclass
+class Sampled:
+    """A rollout that followed a plan, over ``B'`` rows (``B' = B·K`` for a branch plan with K branches).
+
+    ``group (B',)`` indexes the iteration's prompts (conditioning, reward); ``norm_group (B',)`` the
+    groups advantages are normalised in (``group`` itself without branches); ``row_trained (B', M)``
+    the steps each row trains; ``rows`` the ``(total, lo, hi)`` of these rows; ``nfe`` rows × model calls.
+    """
+
+    ro: Rollout
+    group: torch.Tensor
+    norm_group: torch.Tensor
+    row_trained: torch.Tensor
+    rows: tuple[int, int, int]
+    nfe: int
+    branches: int = 1
+
+
+def sample(model, cond, group, x0, plan: StepPlan, levels, step_fn, generator, rows, **opts) -> Sampled:
+    """Roll out ``x0 (B, …)`` along ``plan`` (:func:`flowcredit.run.rollout.rollout`'s options ``opts``)."""
+    if not plan.branch:
+        ro = rollout(model, cond, group, x0, plan.sigmas, levels, step_fn, generator, rows=rows, **opts)
+        row_trained = plan.trained.view(1, -1).expand(len(group), -1)
+        return Sampled(ro, group, group, row_trained, rows, len(group) * plan.sde.numel())
+    return branch_sample(model, cond, group, x0, plan, levels, step_fn, generator, rows, **opts)
+
+
+def branch_sample(
+    model, cond, group, x0, plan: StepPlan, levels, step_fn, generator, rows, **opts
+) -> Sampled:
+    """A branch plan's rollout (module docstring): one trunk per group, one branch per SDE step."""
+    if opts.get("keep_velocity"):
+        raise ValueError("branch plans keep no velocities (their values are terminal rewards)")
+    ks = torch.nonzero(plan.sde, as_tuple=True)[0].tolist()
+    b, m = len(group), plan.sde.numel()
+    groups = torch.unique(group)  # sorted
+    first = torch.stack([torch.nonzero(group == g)[0, 0] for g in groups])  # (P,) a row of each group
+    at_first = torch.searchsorted(groups, group)  # (B,) each row's trunk
+    if not torch.equal(x0, x0[first][at_first]):
+        raise ValueError("branch plans need the rows of a group to share x0 (shared_noise)")
+    trunk = _trunk(model, cond, group[first], x0[first], plan.sigmas[: max(ks) + 1], step_fn, opts)
+    parts, nfe = [], len(first) * max(ks)
+    for k in ks:
+        one = torch.zeros(m - k, dtype=levels.dtype)
+        one[0] = levels[k]
+        start = trunk[at_first, k]
+        branch = rollout(
+            model, cond, group, start, plan.sigmas[k:], one, step_fn, generator, rows=rows, **opts
+        )
+        nfe += b * (m - k)
+        parts.append(_with_prefix(branch, trunk, at_first, k))
+    ro = Rollout(*(_interleave([getattr(p, f) for p in parts]) for f in ("states", "logp", "std")))
+    if parts[0].means is not None:
+        ro.means = _interleave([p.means for p in parts])
+    n_k = len(ks)
+    row_trained = torch.zeros(b, n_k, m, dtype=torch.bool)
+    row_trained[:, torch.arange(n_k), torch.tensor(ks)] = True
+    total, lo, hi = rows
+    return Sampled(
+        ro,
+        group.repeat_interleave(n_k),
+        (group.view(-1, 1) * n_k + torch.arange(n_k)).reshape(-1),
+        row_trained.reshape(b * n_k, m),
+        (total * n_k, lo * n_k, hi * n_k),
+        nfe,
+        n_k,
+    )
+
+
+def _trunk(model, cond, group, x0, sigmas, step_fn, opts) -> torch.Tensor:
+    """``(P, K + 1, …)``: the ODE states ``x_0 … x_K`` of one row per group (``sigmas (K + 1,)``)."""
+    if sigmas.numel() == 1:
+        return x0.float()[:, None]
+    ode = torch.zeros(sigmas.numel() - 1)
+    opts = {k: v for k, v in opts.items() if k in ("logp_mode", "batch_size")}
+    return rollout(model, cond, group, x0, sigmas, ode, step_fn, torch.Generator(), **opts).states
+
+
+def _with_prefix(branch: Rollout, trunk: torch.Tensor, at_first: torch.Tensor, k: int) -> Rollout:
+    """A branch from step ``k`` with the trunk's states ``x_0 … x_{k−1}`` (and zero log-density, std and
+    mean on those ODE steps) in front: a full-length rollout of the plan."""
+    b = len(at_first)
+    zeros = torch.zeros(b, k)
+    means = None
+    if branch.means is not None:
+        means = torch.cat([torch.zeros(b, k, *branch.means.shape[2:]), branch.means], 1)
+    return Rollout(
+        torch.cat([trunk[at_first, :k], branch.states], 1),
+        torch.cat([zeros, branch.logp], 1),
+        torch.cat([zeros, branch.std], 1),
+        None,
+        means,
+    )
+
+
+def _interleave(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``K`` tensors ``(B, …)`` → ``(B·K, …)`` with row ``r``'s K entries adjacent (row-major)."""
+    return torch.stack(tensors, 1).reshape(-1, *tensors[0].shape[1:])
