@@ -37,25 +37,52 @@ def nominal_nfe(cfg: Config) -> float:
     return float(sum(nfe_parts(cfg).values()))
 
 
-def nfe_parts(cfg: Config) -> dict[str, int]:
-    """:func:`nominal_nfe`'s terms: ``{"rollout", "values", "update"}`` network calls per trajectory."""
+def nfe_parts(cfg: Config) -> dict[str, float]:
+    """:func:`nominal_nfe`'s terms: ``{"rollout", "values", "update"}`` network calls per trajectory,
+    averaged over the run's iterations where the step schedule changes the plan (a branch plan's
+    rollout: its trunk, once per group, and every branch, :func:`flowcredit.run.plans.branch_sample`;
+    a forward-process update: K time draws × the current and the old policy, and the reference)."""
     import torch
 
     from flowcredit.advantages import CREDITS
-    from flowcredit.run.rollout import needed_states, noise_levels, plan_completions
+    from flowcredit.run.plans import iteration_plan
+    from flowcredit.run.rollout import needed_states, plan_completions
     from flowcredit.schedule import sigmas
+    from flowcredit.updates import UPDATES
+    from flowcredit.validation import update_options
     from flowcredit.values import ESTIMATORS
 
-    levels, trained = noise_levels(cfg, None)  # (N,), (N,)
-    need = needed_states(CREDITS[cfg.credit].needs, trained)  # (N + 1,)
-    compute, _ = plan_completions(need, levels == 0, cfg.estimator)
+    grid = sigmas(cfg.num_steps, cfg.shift)
+    plans = [iteration_plan(cfg, grid, it) for it in range(max(cfg.iterations, 1))]
+    first = plans[0]
+    need = needed_states(CREDITS[cfg.credit].needs, first.trained)  # (M + 1,)
+    compute, _ = plan_completions(need, ~first.sde, cfg.estimator)
     start = torch.nonzero(compute, as_tuple=True)[0]
     values = 0
     if len(start) and not (cfg.estimator == "euler" and cfg.substeps == 1):  # one-step: the rollout's v
-        _, remaining = ESTIMATORS[cfg.estimator].grid(sigmas(cfg.num_steps, cfg.shift), start, cfg.substeps)
+        _, remaining = ESTIMATORS[cfg.estimator].grid(first.sigmas, start, cfg.substeps)
         values = int(remaining.sum())
-    update = int(trained.sum()) * cfg.inner_epochs * (2 if cfg.beta else 1)
-    return {"rollout": cfg.num_steps, "values": values, "update": update}
+    rollout = sum(rollout_calls(p, cfg.group_size) for p in plans) / len(plans)
+    rule = UPDATES[cfg.update]
+    if rule.forward:
+        draws = rule.times(
+            grid, 1, torch.Generator().manual_seed(0), **rule.split(update_options(cfg))[1]
+        ).shape[0]
+        update = draws * cfg.inner_epochs * (3 if cfg.beta else 2)
+    else:
+        trained = sum(int(p.trained.sum()) for p in plans) / len(plans)
+        update = trained * cfg.inner_epochs * (2 if cfg.beta else 1)
+    return {"rollout": rollout, "values": values, "update": update}
+
+
+def rollout_calls(plan, group_size: int) -> float:
+    """Network calls per trajectory of one plan's rollout: its ``M`` steps; a branch plan's trunk
+    (``k_max`` steps once per group) and each branch ``k`` (``M − k`` steps per row)."""
+    m = plan.sde.numel()
+    if not plan.branch:
+        return float(m)
+    ks = plan.sde.nonzero()[:, 0].tolist()
+    return max(ks) / group_size + sum(m - k for k in ks)
 
 
 def _equal_nfe(preset: Config, change: list[str]) -> list[str]:
@@ -70,6 +97,24 @@ def _equal_nfe(preset: Config, change: list[str]) -> list[str]:
 TP = ["--credit", "turning_point"]
 DENSE = ["--credit", "dense", "--sampler", "dance_sde", "--calibrate", "true"]
 STEPWISE = ["--credit", "stepwise", "--credit_options", '{"center": false}', "--estimator", "euler"]
+MIXGRPO = [
+    "--step_schedule",
+    "mixgrpo",
+    "--step_schedule_options",
+    '{"size": 2, "interval": 25, "skip_last": 5}',
+]
+TEMPFLOW = [
+    "--step_schedule",
+    "tempflow",
+    "--step_schedule_options",
+    '{"skip_last": 5}',
+    "--step_weight",
+    "tempflow",
+]
+EGRPO = ["--step_schedule", "egrpo"]
+GUARD = ["--update", "ratio_norm", "--step_weight", "grpo_guard"]
+SHARED = ["--shared_noise", "true"]  # branches share the prefix of their group
+
 SKILL_ARMS = {
     "tp": TP,
     "tp_equal_nfe": lambda cfg: _equal_nfe(cfg, TP),
@@ -77,6 +122,10 @@ SKILL_ARMS = {
     "stepwise": [*STEPWISE, "--sampler", "ddim_sde"],
     "stepwise_cps": STEPWISE,
     "dense": DENSE,
+    "mixgrpo": lambda cfg: _equal_nfe(cfg, MIXGRPO),
+    "tempflow": lambda cfg: _equal_nfe(cfg, [*TEMPFLOW, *SHARED]),
+    "egrpo": lambda cfg: _equal_nfe(cfg, [*EGRPO, *SHARED]),
+    "grpo_guard": lambda cfg: _equal_nfe(cfg, GUARD),
 }
 """The arms beside the preset (Flow-GRPO credit, CPS): TP-GRPO credit at the same iterations and at
 the preset's NFE; DenseGRPO as its paper prescribes (Dance-SDE with ψ calibrated per run on the
@@ -84,7 +133,13 @@ frozen base, then dense gains) with one-step values from the rollout's own veloc
 (``dense_euler1``) and with ODE-completed values (``dense``); Stepwise-Flow-GRPO with its own DDIM-like
 SDE (a = 0.7), euler(5) values and the joint normalisation that keeps the gains' signs
 (``stepwise``), and the same credit on the preset's CPS (``stepwise_cps``: isolates the credit rule).
-Every other field is the preset's (SDE window: steps 0–4)."""
+Every other field is the preset's (SDE window: steps 0–4).
+
+The newer methods (docs/benchmarks.md, "The newer methods' claims"), each at the preset's network calls
+(:func:`_equal_nfe`) and with the preset's CPS sampler: MixGRPO's progressive window of 2 SDE steps
+sliding over steps 0–4 every 25 iterations (``mixgrpo``); TempFlow-GRPO's branches at each of steps
+0–4 with its noise-aware weights (``tempflow``); E-GRPO's merged high-entropy branch steps
+(``egrpo``); GRPO-Guard's RatioNorm with its 1/Δt step weights (``grpo_guard``)."""
 
 
 QUICK_EVAL = ["--max-prompts", "4", "--samples-per-prompt", "2"]
@@ -261,6 +316,10 @@ SKILL_CLAIMS = (
     ("skill-dense_euler1", "DenseGRPO (one-step values): better than Flow-GRPO", "better"),
     ("skill-dense", "DenseGRPO: better than Flow-GRPO", "better"),
     ("skill-stepwise", "Stepwise-Flow-GRPO: better than Flow-GRPO", "better"),
+    ("skill-mixgrpo", "MixGRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
+    ("skill-tempflow", "TempFlow-GRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
+    ("skill-egrpo", "E-GRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
+    ("skill-grpo_guard", "GRPO-Guard: at least as good as Flow-GRPO at equal network calls", "noninferior"),
 )
 """(arm, the paper's claim as this grid can test it, rule of :func:`skill_verdict`)."""
 EQUIVALENCE = 0.02
