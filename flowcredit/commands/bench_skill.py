@@ -217,9 +217,14 @@ def publish(run_dir: Path, dest: Path) -> Path:
             record[name] = json.loads((run_dir / path).read_text())
     if rows := read_metrics(run_dir):
         record["curve"] = training_curve(rows)
-    if (run_dir / "calibration.json").is_file():  # ψ's calibration: its rounds are part of the run's cost
-        calibration = json.loads((run_dir / "calibration.json").read_text())
+    calibrated = run_dir / "calibration.json"  # ψ's calibration: its rounds are part of the run's cost
+    shared = not calibrated.is_file() and record.get("config", {}).get("psi_path")
+    if shared:  # the bench calibrates ψ once for the cells that would calibrate alike (bench.shared_psi)
+        calibrated = Path(record["config"]["psi_path"]).parent / "calibration.json"
+    if calibrated.is_file():
+        calibration = json.loads(calibrated.read_text())
         record["calibration"] = {k: calibration[k] for k in ("iterations", "converged", "psi")}
+        record["calibration"]["shared"] = bool(shared)
     record = relative_paths(record, run_dir.parent)
     dest.mkdir(parents=True, exist_ok=True)
     target = dest / f"{run_dir.name}.json"
