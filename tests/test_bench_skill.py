@@ -7,7 +7,13 @@ import math
 import pytest
 
 from flowcredit.commands.bench import plan_cells
-from flowcredit.commands.bench_skill import heldout_scores, nominal_nfe, skill_report, skill_verdict
+from flowcredit.commands.bench_skill import (
+    SKILL_ARMS,
+    heldout_scores,
+    nominal_nfe,
+    skill_report,
+    skill_verdict,
+)
 from flowcredit.presets import load_config
 
 
@@ -37,6 +43,18 @@ def test_the_arms_are_the_preset_with_one_change():
     assert equal.iterations == 150  # 450 × 20 / 60
     changed = {k for k, v in vars(tp).items() if getattr(base, k) != v}
     assert changed == {"credit"}
+
+
+def test_every_arm_is_a_valid_config_of_the_preset():
+    """Each arm's overrides pass validation on the ``skill`` preset (a grid must not stop at an arm
+    hours in), and the iterations of an equal-NFE arm give it the preset's network calls ±1 iteration."""
+    base = load_config("skill")
+    for name, change in SKILL_ARMS.items():
+        overrides = change(base) if callable(change) else change
+        arm = load_config("skill", None, overrides)
+        if "--iterations" in overrides:
+            budget = base.iterations * nominal_nfe(base)
+            assert abs(arm.iterations * nominal_nfe(arm) - budget) <= nominal_nfe(arm), name
 
 
 def _eval(strict_by_seed, soft_by_seed, prompts, k=2):

@@ -86,11 +86,16 @@ def rollout_calls(plan, group_size: int) -> float:
 
 
 def _equal_nfe(preset: Config, change: list[str]) -> list[str]:
-    """``change`` plus the iterations at which its training NFE equals the preset's."""
+    """``change`` plus the iterations at which its training NFE equals the preset's (a fixed point: an
+    arm whose plan changes with the iteration averages its cost over its own iterations)."""
     from flowcredit.validation import apply_overrides
 
-    arm = apply_overrides(dataclasses.replace(preset), change)
-    iterations = round(preset.iterations * nominal_nfe(preset) / nominal_nfe(arm))
+    budget, iterations = preset.iterations * nominal_nfe(preset), preset.iterations
+    for _ in range(5):
+        arm = apply_overrides(dataclasses.replace(preset), [*change, "--iterations", str(iterations)])
+        iterations, previous = round(budget / nominal_nfe(arm)), iterations
+        if iterations == previous:
+            break
     return [*change, "--iterations", str(iterations)]
 
 
@@ -119,7 +124,7 @@ SKILL_ARMS = {
     "tp": TP,
     "tp_equal_nfe": lambda cfg: _equal_nfe(cfg, TP),
     "dense_euler1": [*DENSE, "--estimator", "euler", "--substeps", "1"],
-    "stepwise": [*STEPWISE, "--sampler", "ddim_sde"],
+    "stepwise": [*STEPWISE, "--sampler", "ddim_sde", "--window_start", "1", "--window_size", "4"],
     "stepwise_cps": STEPWISE,
     "dense": DENSE,
     "mixgrpo": lambda cfg: _equal_nfe(cfg, MIXGRPO),
@@ -131,8 +136,8 @@ SKILL_ARMS = {
 the preset's NFE; DenseGRPO as its paper prescribes (Dance-SDE with ψ calibrated per run on the
 frozen base, then dense gains) with one-step values from the rollout's own velocities
 (``dense_euler1``) and with ODE-completed values (``dense``); Stepwise-Flow-GRPO with its own DDIM-like
-SDE (a = 0.7), euler(5) values and the joint normalisation that keeps the gains' signs
-(``stepwise``), and the same credit on the preset's CPS (``stepwise_cps``: isolates the credit rule).
+SDE (a = 0.7; its first step, from σ = 1, has std 0, so its window is steps 1–4), euler(5) values and
+the joint normalisation that keeps the gains' signs (``stepwise``), and the same credit on the preset's CPS (``stepwise_cps``: isolates the credit rule).
 Every other field is the preset's (SDE window: steps 0–4).
 
 The newer methods (docs/benchmarks.md, "The newer methods' claims"), each at the preset's network calls
