@@ -14,6 +14,6 @@ bench() {  # ARMS SEEDS
 bench dense_euler1 10,11,12,13
 bench stepwise 10,11,12,13
 bench tp_equal_nfe 13
-bench mixgrpo,tempflow,egrpo,grpo_guard 10,11   # issue 39's first look
+bench mixgrpo,tempflow,egrpo,grpo_guard,nft_quarter,awm_quarter 10,11   # issue 39's first look
 bench dense 10,11,12,13
 bench tp 14,15,16,17

@@ -85,15 +85,21 @@ def rollout_calls(plan, group_size: int) -> float:
     return max(ks) / group_size + sum(m - k for k in ks)
 
 
-def _equal_nfe(preset: Config, change: list[str]) -> list[str]:
-    """``change`` plus the iterations at which its training NFE equals the preset's (a fixed point: an
-    arm whose plan changes with the iteration averages its cost over its own iterations)."""
+def nominal_calls(cfg: Config) -> float:
+    """:func:`nominal_nfe` × network passes per velocity call on the built-in model (2 with CFG, 1 at
+    ``guidance_scale`` 1: no CFG), the skill bench's model."""
+    return nominal_nfe(cfg) * (1 if cfg.guidance_scale == 1.0 else 2)
+
+
+def _equal_nfe(preset: Config, change: list[str], share: float = 1.0) -> list[str]:
+    """``change`` plus the iterations at which its network calls are ``share`` × the preset's (a fixed
+    point: an arm whose plan changes with the iteration averages its cost over its own iterations)."""
     from flowcredit.validation import apply_overrides
 
-    budget, iterations = preset.iterations * nominal_nfe(preset), preset.iterations
+    budget, iterations = share * preset.iterations * nominal_calls(preset), preset.iterations
     for _ in range(5):
         arm = apply_overrides(dataclasses.replace(preset), [*change, "--iterations", str(iterations)])
-        iterations, previous = round(budget / nominal_nfe(arm)), iterations
+        iterations, previous = round(budget / nominal_calls(arm)), iterations
         if iterations == previous:
             break
     return [*change, "--iterations", str(iterations)]
@@ -119,6 +125,15 @@ TEMPFLOW = [
 EGRPO = ["--step_schedule", "egrpo"]
 GUARD = ["--update", "ratio_norm", "--step_weight", "grpo_guard"]
 SHARED = ["--shared_noise", "true"]  # branches share the prefix of their group
+NO_CFG = [
+    "--guidance_scale",
+    "1",
+    "--eval_guidance_scale",
+    "2",
+]  # rollouts without CFG, evaluated as all arms
+NFT = ["--update", "nft", "--sampler", "ode", "--steps_per_update", "9", *NO_CFG]
+AWM = ["--update", "awm", "--sampler", "flow_sde", "--noise_level", "0.57", "--window_size", "7"]
+AWM += ["--steps_per_update", "6", *NO_CFG]
 
 SKILL_ARMS = {
     "tp": TP,
@@ -131,20 +146,26 @@ SKILL_ARMS = {
     "tempflow": lambda cfg: _equal_nfe(cfg, [*TEMPFLOW, *SHARED]),
     "egrpo": lambda cfg: _equal_nfe(cfg, [*EGRPO, *SHARED]),
     "grpo_guard": lambda cfg: _equal_nfe(cfg, GUARD),
+    "nft_quarter": lambda cfg: _equal_nfe(cfg, NFT, 0.25),
+    "awm_quarter": lambda cfg: _equal_nfe(cfg, AWM, 0.25),
 }
 """The arms beside the preset (Flow-GRPO credit, CPS): TP-GRPO credit at the same iterations and at
 the preset's NFE; DenseGRPO as its paper prescribes (Dance-SDE with ψ calibrated per run on the
 frozen base, then dense gains) with one-step values from the rollout's own velocities
 (``dense_euler1``) and with ODE-completed values (``dense``); Stepwise-Flow-GRPO with its own DDIM-like
 SDE (a = 0.7; its first step, from σ = 1, has std 0, so its window is steps 1–4), euler(5) values and
-the joint normalisation that keeps the gains' signs (``stepwise``), and the same credit on the preset's CPS (``stepwise_cps``: isolates the credit rule).
+the joint normalisation that keeps the gains' signs (``stepwise``), and the same credit on the
+preset's CPS (``stepwise_cps``: isolates the credit rule).
 Every other field is the preset's (SDE window: steps 0–4).
 
 The newer methods (docs/benchmarks.md, "The newer methods' claims"), each at the preset's network calls
 (:func:`_equal_nfe`) and with the preset's CPS sampler: MixGRPO's progressive window of 2 SDE steps
 sliding over steps 0–4 every 25 iterations (``mixgrpo``); TempFlow-GRPO's branches at each of steps
 0–4 with its noise-aware weights (``tempflow``); E-GRPO's merged high-entropy branch steps
-(``egrpo``); GRPO-Guard's RatioNorm with its 1/Δt step weights (``grpo_guard``)."""
+(``egrpo``); GRPO-Guard's RatioNorm with its 1/Δt step weights (``grpo_guard``). DiffusionNFT and
+AWM as their code runs them (rollouts without CFG: DiffusionNFT's deterministic by the old policy,
+AWM's Flow-SDE a = 0.57 on steps 0–6; one optimizer step per iteration) at a quarter of the preset's
+network calls (``nft_quarter``, ``awm_quarter``), evaluated with the preset's CFG (w = 2) as every arm."""
 
 
 QUICK_EVAL = ["--max-prompts", "4", "--samples-per-prompt", "2"]
@@ -330,6 +351,12 @@ SKILL_CLAIMS = (
     ("skill-tempflow", "TempFlow-GRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
     ("skill-egrpo", "E-GRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
     ("skill-grpo_guard", "GRPO-Guard: at least as good as Flow-GRPO at equal network calls", "noninferior"),
+    (
+        "skill-nft_quarter",
+        "DiffusionNFT reaches Flow-GRPO's score with 1/4 of its network calls",
+        "noninferior",
+    ),
+    ("skill-awm_quarter", "AWM reaches Flow-GRPO's score with 1/4 of its network calls", "noninferior"),
 )
 """(arm, the paper's claim as this grid can test it, rule of :func:`skill_verdict`)."""
 EQUIVALENCE = 0.02
