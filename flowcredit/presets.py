@@ -49,14 +49,27 @@ def tp_grpo() -> Config:
 
 
 def mixgrpo() -> Config:
-    """MixGRPO: Flow-SDE a = 0.7 on a sliding window of 4 steps (25 iterations per position), ODE
-    elsewhere, Flow-GRPO's credit on the window (docs/algorithms.md, "Step schedules")."""
-    return Config(sampler="flow_sde", noise_level=0.7, credit="flow_grpo", step_schedule="mixgrpo")
+    """MixGRPO (Tencent-Hunyuan/MixGRPO, ``scripts/finetune/finetune_flux_grpo_MixGRPO.sh``): Flow-SDE
+    a = 0.7 on a progressive window, ODE elsewhere, one initial noise per group (``init_same_noise``),
+    Flow-GRPO's credit with the group std. The window keeps the code's share of the steps, 2 of our 10
+    (theirs: 4 of 25), and slides by one step every 25 iterations over steps 0–7 (the code's bound
+    N − 2), back to 0 after the last; a 40-iteration run sees starts 0 and 1 only."""
+    return Config(
+        sampler="flow_sde",
+        noise_level=0.7,
+        credit="flow_grpo",
+        shared_noise=True,
+        step_schedule="mixgrpo",
+        step_schedule_options='{"size": 2}',
+    )
 
 
 def tempflow_grpo() -> Config:
-    """TempFlow-GRPO: ODE trajectories branching by one Flow-SDE step at every step but the last (a
-    process reward per step from the branches of one prefix), losses weighted by the exploration std."""
+    """TempFlow-GRPO (Shredded-Pork/TempFlow-GRPO, ``scripts/train_sd3_pr.py``): an ODE trunk per group
+    branching by one Flow-SDE step (a = 0.7) at every step but the last, each branch completed by the
+    ODE (a process reward per step among the branches of one prefix), losses weighted by the
+    exploration std over its mean. Deviation: ``group_size`` (16) branches per step from the group's
+    trunk, where the code draws 6 per step from each trajectory (``--group_size 6``)."""
     return Config(
         sampler="flow_sde",
         noise_level=0.7,
@@ -68,31 +81,59 @@ def tempflow_grpo() -> Config:
 
 
 def egrpo() -> Config:
-    """E-GRPO: low-entropy steps merged into one Flow-SDE step of enough entropy, each explored on a
-    branch of its own; advantages normalised among the branches of one merged step."""
+    """E-GRPO (shengjun-zhang/VisualGRPO, ``scripts/finetune/finetune_g2rpo_hps_merge.sh``): Flow-SDE
+    a = 0.7 on merged steps whose entropy reaches the threshold within the first half of the steps, each
+    explored on a branch off the group's ODE trunk (``init_same_noise``), advantages among the branches
+    of one merged step. On our grid the merged steps are 0, 1 and 2–4 (theirs, 16 steps, shift 3: 0, 1,
+    2–3, 4–6)."""
     return Config(
         sampler="flow_sde", noise_level=0.7, credit="flow_grpo", shared_noise=True, step_schedule="egrpo"
     )
 
 
 def grpo_guard() -> Config:
-    """GRPO-Guard: Flow-GRPO with the normalised importance ratio (RatioNorm, its clip range 2e-6)
-    and the per-step gradient reweighting 1/Δt."""
+    """GRPO-Guard (zhtmike/flow_grpo, ``config/grpo_guard.py``): Flow-GRPO (Flow-SDE a = 0.7, every step
+    but the last, group std, a noise per member, no KL) with RatioNorm at its clip range 2e-6 (an option
+    of ``ratio_norm``; ``--clip_range`` does not reach it) and the 1/Δt step weights."""
     return Config(
         sampler="flow_sde", noise_level=0.7, credit="flow_grpo", update="ratio_norm", step_weight="grpo_guard"
     )
 
 
 def diffusion_nft() -> Config:
-    """DiffusionNFT: no likelihood; the forward-process loss with implicit positive and negative
-    velocities from the current and the old (sampling) policy, weighted by the normalised reward."""
-    return Config(sampler="ode", credit="flow_grpo", update="nft")
+    """DiffusionNFT (NVlabs/DiffusionNFT, ``config/nft.py``): deterministic rollouts by the old policy
+    without CFG (``deterministic``, guidance 1), the forward-process loss with implicit positive and
+    negative velocities (β = 1) at 9 of the 10 grid times, the group mean and the batch std, one
+    optimizer step per iteration (the code's ``gradient_step_per_epoch`` 1; the old policy's η ramps by
+    it). Deviation: Euler ODE steps where the code uses a second-order DPM-Solver."""
+    return Config(
+        sampler="ode",
+        guidance_scale=1.0,
+        credit="flow_grpo",
+        global_std=True,
+        update="nft",
+        steps_per_update=9,
+    )
 
 
 def awm() -> Config:
-    """AWM (Advantage Weighted Matching): the flow-matching loss on the rollout's final samples, each
-    weighted by its advantage, with a velocity KL to a lagged copy of the policy."""
-    return Config(sampler="ode", credit="flow_grpo", update="awm")
+    """AWM (scxue/advantage_weighted_matching, ``config/dgx_awm.py`` GenEval): rollouts by the current
+    policy without CFG, SDE on the steps that end at σ' ∈ [0.3, 0.9] (0–6 here) at SA-Solver's τ = 0.4,
+    which is Flow-SDE's a = 0.4·√2 ≈ 0.57; the advantage-weighted matching loss at 6 stratified grid
+    times with a velocity KL to the lagged policy, the group mean and the batch std, one optimizer step
+    per iteration. ``window_size`` 7 is for ``num_steps`` 10 (at another N: the steps that end in
+    [0.3, 0.9]). Deviation: one Euler–Maruyama step where the code takes a second-order stochastic
+    Adams predictor–corrector step (SA-Solver)."""
+    return Config(
+        sampler="flow_sde",
+        noise_level=0.57,
+        window_size=7,
+        guidance_scale=1.0,
+        credit="flow_grpo",
+        global_std=True,
+        update="awm",
+        steps_per_update=6,
+    )
 
 
 def demo() -> Config:

@@ -39,6 +39,7 @@ from flowcredit.run.rollout import needed_states, seeded, state_values
 from flowcredit.run.runlog import RunLog, plot_curves
 from flowcredit.run.session import Session, build_session
 from flowcredit.step_weights import step_weights
+from flowcredit.updates import normalized_log_ratio
 from flowcredit.validation import weight_options
 
 
@@ -174,9 +175,7 @@ def ppo_update(s: Session, plan, levels, sam, adv, prompts, keep, gen) -> dict:
                 if i != cond_step:  # under grad: the text encoder may train
                     cond, cond_step = model.encode(prompts), i
                 with s.dist.accumulating(sync):
-                    out = step_loss(
-                        s, plan, levels, sam, adv, prompts, cond, r, i, weight * float(weights[i])
-                    )
+                    out = step_loss(s, plan, levels, sam, adv, prompts, cond, r, i, weight, float(weights[i]))
                 if weight == 0:  # a zero-weight pass (a rank without rows, or FSDP's padding): no statistics
                     continue
                 if first_dev is None:  # before any optimizer step: exactly 1 (same model, same geometry)
@@ -199,9 +198,13 @@ def ppo_update(s: Session, plan, levels, sam, adv, prompts, keep, gen) -> dict:
     return out | param_spread(s)
 
 
-def step_loss(s: Session, plan, levels, sam, adv, prompts, cond, r, i: int, weight: float) -> dict:
-    """Backward of ``weight·(L_pg + β·KL)`` for rows ``r`` at step ``i``; returns the statistics.
-    ``L_pg`` is the update rule's loss (``clipped``: Flow-GRPO's surrogate)."""
+def step_loss(
+    s: Session, plan, levels, sam, adv, prompts, cond, r, i: int, weight: float, w_i: float
+) -> dict:
+    """Backward of ``weight·(w_i·L_pg + β·KL)`` for rows ``r`` at step ``i``; returns the statistics.
+    ``L_pg`` is the update rule's loss (``clipped``: Flow-GRPO's surrogate), ``w_i`` the step's loss
+    weight (the KL term is not weighted, as in TempFlow-GRPO's and GRPO-Guard's code); the clip
+    fraction is the rule's own (GRPO-Guard: of its normalised ratio against its clip range)."""
     cfg, model, ro, group = s.cfg, s.model, sam.ro, sam.group
     x, x_next = ro.states[r, i], ro.states[r, i + 1]
     sigma, sigma_next, level = plan.sigmas[i].item(), plan.sigmas[i + 1].item(), float(levels[i])
@@ -221,15 +224,25 @@ def step_loss(s: Session, plan, levels, sam, adv, prompts, cond, r, i: int, weig
                 v_ref, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode
             ).mean
         kl = kl_to_reference(step.mean, mean_ref, step.std, sigma_next - sigma, cfg.kl_mode).mean()
-    s.dist.backward((policy_loss + cfg.beta * kl) * weight)
+    s.dist.backward((w_i * policy_loss + cfg.beta * kl) * weight)
     return {
         "loss/policy": policy_loss.item(),
         "loss/kl": kl.item(),
         "stats/approx_kl": approx_kl(step.logp, logp_old).item(),
-        "stats/clipfrac": clipfrac(step.logp, logp_old, cfg.clip_range).item(),
+        "stats/clipfrac": rule_clipfrac(s, given).item(),
         "stats/ratio_mean": torch.exp(step.logp - logp_old).mean().item(),
         "stats/ratio_maxdev": (torch.exp(step.logp - logp_old) - 1).abs().max().item(),
     }
+
+
+def rule_clipfrac(s: Session, given: dict) -> torch.Tensor:
+    """The fraction of rows whose ratio the update rule clips: ``clipped``'s ratio against
+    ``clip_range``, ``ratio_norm``'s normalised ratio ``exp ℓ`` against its own range."""
+    clip_range = s.update_opts.get("clip_range", s.cfg.clip_range)
+    if "mean" not in s.update.needs:
+        return clipfrac(given["logp_new"], given["logp_old"], clip_range)
+    ell = normalized_log_ratio(**{k: v for k, v in given.items() if k != "adv"})
+    return clipfrac(ell, torch.zeros_like(ell), clip_range)
 
 
 def evaluated(s: Session, log: RunLog | None, iteration: int, tag: str | None) -> dict:

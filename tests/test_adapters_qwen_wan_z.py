@@ -198,6 +198,16 @@ def test_schedules_match_set_timesteps(dirs, n):
     assert torch.equal(z.sigmas(n), ref.sigmas)
 
 
+def test_qwen_refuses_a_one_step_schedule(dirs):
+    """Qwen-Image's terminal stretch divides by zero at one step (its diffusers pipeline samples NaN
+    there): the adapter raises instead of handing the sampler a NaN σ (an ``eval_num_steps`` of 1 used to
+    evaluate to NaN without a word); two steps are fine."""
+    qwen = load(dirs, "qwen_image")
+    with pytest.raises(ValueError, match="non-finite 1-step schedule.*shift_terminal=0.02.*at least 2"):
+        qwen.sigmas(1)
+    assert torch.isfinite(qwen.sigmas(2)).all()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_lora_trains_and_reloads_exactly_in_diffusers(dirs, kind, tmp_path):
     model = load(dirs, kind)

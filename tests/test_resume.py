@@ -1,6 +1,7 @@
-"""Exact resume. Every preset (with EMA, β, and its own ψ / turning points) killed inside a checkpoint
-write resumes to the uninterrupted run's metrics, checkpoint and final weights, bit for bit; so does
-each point of the write and rename; and through the command line, a real SIGKILL and a Ctrl-C. The
+"""Exact resume. Every preset (with EMA, β, and its own ψ / turning points; the newer methods with
+their per-iteration plans and the old policy of AWM and DiffusionNFT) killed inside a checkpoint write
+resumes to the uninterrupted run's metrics, checkpoint and final weights, bit for bit; so does each
+point of the write and rename; and through the command line, a real SIGKILL and a Ctrl-C. The
 failures are injected at known points (tests/kill_points.py), never timed with a sleep."""
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from kill_points import POINTS, Killed, install
 from loop_probes import small_config
 from safetensors.torch import load_file
 
-from flowcredit.presets import PRESETS
+from flowcredit.presets import NEWER_PRESETS, PRESETS
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint
 from flowcredit.train import train
+from flowcredit.updates import UPDATES
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +32,20 @@ RESUMES_FROM = {"after_trainable": 1, "before_swap": 1, "between_renames": 1, "b
 # every preset, each at one point in turn; then tp_grpo at the other points
 CASES = [(p, POINTS[k % len(POINTS)]) for k, p in enumerate(PRESETS)]
 CASES += [("tp_grpo", p) for p in POINTS if ("tp_grpo", p) not in CASES]
+# plans that change with every iteration, so that the resumed iterations must draw their own: TempFlow's
+# branch step cycles (one branch per iteration, also the tiny size), MixGRPO's window moves each iteration
+EXTRA = {
+    "tempflow_grpo": {"step_schedule_options": '{"branches": "cycle"}'},
+    "mixgrpo": {"step_schedule_options": '{"size": 2, "interval": 1}'},
+}
+
+
+def resume_config(preset: str, run: Path):
+    return small_config(preset, run, **RESUME, **EXTRA.get(preset, {}))
+
+
+def test_every_newer_preset_is_resumed():
+    assert set(NEWER_PRESETS) <= {p for p, _ in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +56,7 @@ def full_run(tmp_path_factory):
     def get(preset: str) -> Path:
         if preset not in cache:
             run = tmp_path_factory.mktemp("full") / preset
-            train(small_config(preset, run, **RESUME))
+            train(resume_config(preset, run))
             cache[preset] = run
         return cache[preset]
 
@@ -48,12 +64,15 @@ def full_run(tmp_path_factory):
 
 
 def assert_same_run(want: Path, got: Path) -> None:
-    """Same metrics.jsonl bytes, same last checkpoint (weights, optimizer, EMA, ψ), same export."""
+    """Same metrics.jsonl bytes, same last checkpoint (weights, optimizer, EMA, old policy, ψ), same
+    export."""
     assert (got / "metrics.jsonl").read_text() == (want / "metrics.jsonl").read_text()
     a, b = load_checkpoint(want / "checkpoint"), load_checkpoint(got / "checkpoint")
     assert a["iteration"] == b["iteration"] == RESUME["iterations"] and a["extra"] == b["extra"]
-    for key in ("trainable", "ema"):
-        assert a[key].keys() == b[key].keys() and all(torch.equal(a[key][k], b[key][k]) for k in a[key])
+    for key in ("trainable", "ema", "old"):  # old: the old policy of a forward-process update rule
+        assert (a[key] is None) == (b[key] is None), key
+        if a[key] is not None:
+            assert a[key].keys() == b[key].keys() and all(torch.equal(a[key][k], b[key][k]) for k in a[key])
     assert all(
         torch.equal(a["optimizer"]["state"][p][k], v)
         for p in b["optimizer"]["state"]
@@ -71,7 +90,7 @@ def assert_same_run(want: Path, got: Path) -> None:
 def test_killed_in_a_checkpoint_write_resumes_exactly(preset, point, full_run, tmp_path, monkeypatch):
     want = full_run(preset)
     run = tmp_path / "run"
-    cfg = small_config(preset, run, **RESUME)
+    cfg = resume_config(preset, run)
     install(point, KILLED_AT, "raise", monkeypatch.setattr)
     with pytest.raises(Killed):
         train(cfg)
@@ -81,6 +100,8 @@ def test_killed_in_a_checkpoint_write_resumes_exactly(preset, point, full_run, t
     assert json.loads((found / "state.json").read_text())["iteration"] == RESUMES_FROM[point]
     train(cfg, resume=True)
     assert_same_run(want, run)
+    # a forward-process rule checkpoints its old policy (compared above), the others have none
+    assert (load_checkpoint(run / "checkpoint")["old"] is None) == (UPDATES[cfg.update].old_decay is None)
 
 
 # --- through the command line: a real SIGKILL, and Ctrl-C ------------------------------------------

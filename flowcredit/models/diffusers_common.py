@@ -146,6 +146,11 @@ def scheduler_sigmas(scheduler, num_steps: int, sigmas=None, image_seq_len: int 
     out = fresh.sigmas.detach().to("cpu", torch.float32).clone()
     if out.numel() != num_steps + 1:
         raise ValueError(f"scheduler gave {out.numel() - 1} steps, asked for {num_steps}")
+    if not torch.isfinite(out).all():  # Qwen-Image's terminal stretch divides by zero at N = 1
+        raise ValueError(
+            f"{type(fresh).__name__} gave a non-finite {num_steps}-step schedule {out.tolist()} (so does the "
+            f"diffusers pipeline); shift_terminal={fresh.config.get('shift_terminal')}: use at least 2 steps"
+        )
     return out
 
 

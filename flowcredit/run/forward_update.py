@@ -77,7 +77,7 @@ def draw_loss(s, point, adv, cond, group, prompts, weight: float, fn_opts: dict)
     clean, noise, t = point
     x_t = noised(clean, noise, t)  # (b, …)
     with torch.no_grad(), s.old.applied():
-        v_old = model.velocity(x_t, t, cond[group].detach())
+        v_old = model.velocity(x_t, t, cond[group])
     v_ref = None
     if cfg.beta > 0:
         with torch.no_grad(), s.policy.reference():
