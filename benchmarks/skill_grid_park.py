@@ -28,7 +28,7 @@ def park(runs: Path, dest: Path) -> list[str]:
     parked = []
     for run in sorted(p for p in runs.iterdir() if p.is_dir()):
         checkpoint = find_checkpoint(run)
-        if (run / "summary.json").exists() or checkpoint is None:
+        if finished(run) or checkpoint is None:
             continue
         target = dest / run.name
         tmp = dest / f".{run.name}.tmp"
@@ -43,9 +43,20 @@ def park(runs: Path, dest: Path) -> list[str]:
         tmp.rename(target)
         parked.append(run.name)
     for stale in (p for p in dest.iterdir() if p.is_dir() and p.name not in parked) if dest.exists() else []:
-        if (runs / stale.name / "summary.json").exists():  # finished since it was parked
+        if finished(runs / stale.name):  # finished since it was parked
             shutil.rmtree(stale)
     return parked
+
+
+def finished(run: Path) -> bool:
+    """The run wrote its summary after its whole budget (a run stopped early by Ctrl-C also writes one,
+    with fewer iterations: it is unfinished and parked)."""
+    summary, config = run / "summary.json", run / "config.json"
+    if not summary.is_file():
+        return False
+    if not config.is_file():
+        return True
+    return json.loads(summary.read_text())["iterations"] >= json.loads(config.read_text())["iterations"]
 
 
 def _relative_run_dir(config: Path, run: Path) -> None:
@@ -55,7 +66,8 @@ def _relative_run_dir(config: Path, run: Path) -> None:
         return
     data = json.loads(config.read_text())
     if Path(data.get("run_dir", "")).is_absolute():
-        data["run_dir"] = run.as_posix() if not run.is_absolute() else f"runs/{run.parent.name}/{run.name}"
+        parts = run.parts  # the bench's layout: …/runs/<out>/runs/<run>, named from the first "runs"
+        data["run_dir"] = run.as_posix() if not run.is_absolute() else "/".join(parts[parts.index("runs") :])
         config.write_text(json.dumps(data, indent=2) + "\n")
 
 
