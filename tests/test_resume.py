@@ -33,10 +33,14 @@ RESUMES_FROM = {"after_trainable": 1, "before_swap": 1, "between_renames": 1, "b
 CASES = [(p, POINTS[k % len(POINTS)]) for k, p in enumerate(PRESETS)]
 CASES += [("tp_grpo", p) for p in POINTS if ("tp_grpo", p) not in CASES]
 # plans that change with every iteration, so that the resumed iterations must draw their own: TempFlow's
-# branch step cycles (one branch per iteration, also the tiny size), MixGRPO's window moves each iteration
+# branch step cycles (one branch per iteration, also the tiny size), MixGRPO's window moves each iteration;
+# AWM's and DiffusionNFT's old policy moves by η = 0.3 / 0.2 per optimizer step (not 0.001: an old policy
+# restored wrong would hardly show), AWM at 2 time draws
 EXTRA = {
     "tempflow_grpo": {"step_schedule_options": '{"branches": "cycle"}'},
     "mixgrpo": {"step_schedule_options": '{"size": 2, "interval": 1}'},
+    "awm": {"update_options": '{"time_draws": 2, "old_decay_rate": 0.3}'},
+    "diffusion_nft": {"update_options": '{"old_decay_rate": 0.2}'},
 }
 
 
