@@ -282,7 +282,7 @@ MUTANTS = [
         "one-step values from the rollout's velocity step the wrong way",
     ),
     Mutant(
-        "skill_paired_sign", "bench", "flowcredit/commands/bench_skill.py",
+        "skill_paired_sign", "bench", "flowcredit/commands/bench_skill_report.py",
         "values = [by_seed[s][key][part] - arms[baseline][s][key][part] for s in seeds]",
         "values = [arms[baseline][s][key][part] - by_seed[s][key][part] for s in seeds]",
         ("tests/test_bench_skill.py",), "the skill report's paired difference has its sign flipped",

@@ -2,9 +2,9 @@
 --publish DIR``): ``DIR/../results.json`` and ``DIR/../table.md`` — held-out scores (86 prompts × 16
 samples × noise seeds 7001/7002) of the base checkpoint and of every finished run, each arm's change
 from the base, paired differences to the Flow-GRPO arm (``skill``) with 95 % t-intervals over the
-seeds both ran, and a verdict per paper claim (flowcredit/commands/bench_skill.py); ``DIR/../compare.png``
-shows the same per category, every seed a dot, and ``DIR/../curves.png`` the training reward per arm
-against iterations and against network calls spent.
+seeds both ran, and a verdict per paper claim (flowcredit/commands/bench_skill_report.py);
+``DIR/../compare.png`` shows the same per category, every seed a dot, and ``DIR/../curves.png`` the
+training reward per arm against iterations and against network calls spent.
 
     .venv/bin/python benchmarks/skill_grid_report.py benchmarks/results/skill_compare
 """

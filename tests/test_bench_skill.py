@@ -1,5 +1,6 @@
-"""The skill comparison's pieces (flowcredit/commands/bench_skill.py): NFE by hand, the arms as
-planned cells, held-out scores and paired differences on hand-made evaluations, the verdicts."""
+"""The skill comparison's pieces (flowcredit/commands/bench_skill.py and its report,
+bench_skill_report.py): NFE by hand, the arms as planned cells, held-out scores and paired differences on
+hand-made evaluations, the verdicts."""
 
 import argparse
 import math

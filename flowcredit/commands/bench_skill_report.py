@@ -1,0 +1,145 @@
+"""The ``skill`` comparison's report (``flowcredit bench --task skill``, ``benchmarks/skill_grid_report.py``):
+held-out scores of the published runs (:func:`flowcredit.commands.bench_skill.publish`), paired
+differences to Flow-GRPO and the verdicts on the papers' claims. Re-exported by
+:mod:`flowcredit.commands.bench_skill`, which holds the arms, their network-call costs and the runs'
+final evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+
+SKILL_CLAIMS = (
+    ("skill-tp", "TP-GRPO: better held-out GenEval-style score than Flow-GRPO (same iterations)", "better"),
+    (
+        "skill-tp_equal_nfe",
+        "TP-GRPO reaches Flow-GRPO's score at ≈ 1/3 of its steps (equal NFE)",
+        "noninferior",
+    ),
+    ("skill-dense_euler1", "DenseGRPO (one-step values): better than Flow-GRPO", "better"),
+    ("skill-dense", "DenseGRPO: better than Flow-GRPO", "better"),
+    ("skill-stepwise", "Stepwise-Flow-GRPO: better than Flow-GRPO", "better"),
+    ("skill-mixgrpo", "MixGRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
+    ("skill-tempflow", "TempFlow-GRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
+    ("skill-egrpo", "E-GRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
+    ("skill-grpo_guard", "GRPO-Guard: at least as good as Flow-GRPO at equal network calls", "noninferior"),
+    (
+        "skill-nft_quarter",
+        "DiffusionNFT reaches Flow-GRPO's score with 1/4 of its network calls",
+        "noninferior",
+    ),
+    ("skill-awm_quarter", "AWM reaches Flow-GRPO's score with 1/4 of its network calls", "noninferior"),
+)
+"""(arm, the paper's claim as this grid can test it, rule of :func:`skill_verdict`)."""
+EQUIVALENCE = 0.02
+"""Held-out strict: a difference within ±0.02 counts as none (the rule of ``"better"``), and TP-GRPO at
+equal NFE is non-inferior if it is at most 0.02 below Flow-GRPO."""
+
+
+VERDICT_METRICS = ("strict/overall", "strict/per_image")
+"""The pre-registered metrics of :func:`arm_verdict` (docs/benchmarks.md, written 2026-12-04 before the
+first DenseGRPO or Stepwise run landed): held-out strict as GenEval averages it (the mean of the
+category means; primary) and per image."""
+
+
+def arm_verdict(diffs: list[float], margin: float = EQUIVALENCE) -> str:
+    """An arm against Flow-GRPO from its paired differences (arm − Flow-GRPO, one per seed):
+
+    - ``"better"``: the 95 % t-interval lies above 0; ``"worse"``: below 0;
+    - ``"equivalent"``: otherwise, if the 90 % t-interval lies inside ±``margin`` (two one-sided
+      tests at 5 % each);
+    - ``"inconclusive at n=<n>"``: neither (and always below 2 seeds).
+    """
+    from scipy import stats
+
+    n = len(diffs)
+    if n < 2:
+        return f"inconclusive at n={n}"
+    mean = sum(diffs) / n
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
+    half95, half90 = (stats.t.ppf(q, n - 1) * se for q in (0.975, 0.95))
+    if mean - half95 > 0:
+        return "better"
+    if mean + half95 < 0:
+        return "worse"
+    if -margin < mean - half90 and mean + half90 < margin:
+        return "equivalent"
+    return f"inconclusive at n={n}"
+
+
+def heldout_scores(heldout: dict, categories: dict[str, str]) -> dict:
+    """``{"strict", "soft"}`` → ``{"overall", "per_image", <category>...}`` of one evaluation file
+    (``flowcredit eval`` JSON), each averaged over its noise seeds; overall = the mean of the category
+    means (GenEval's convention), per_image = the mean over all images."""
+    out = {}
+    for key in ("strict", "soft"):
+        rows = []
+        for seed in map(str, heldout["seeds"]):
+            values = heldout["per_sample"][seed][key]
+            cats = [categories[p] for p in heldout["sample_prompts"]]
+            by_cat = {c: [v for v, cc in zip(values, cats) if cc == c] for c in dict.fromkeys(cats)}
+            row = {c: sum(v) / len(v) for c, v in by_cat.items()}
+            row["overall"] = sum(row.values()) / len(row)
+            row["per_image"] = sum(values) / len(values)
+            rows.append(row)
+        out[key] = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    return out
+
+
+def skill_verdict(rule: str, mean: float, half: float, n: int) -> str:
+    """``"better"``: the rule of :func:`flowcredit.commands.bench_stats.verdict` with ±``EQUIVALENCE``;
+    ``"noninferior"``: reproduced if the lower bound > −EQUIVALENCE, not reproduced if the upper
+    bound < −EQUIVALENCE, else inconclusive; below 2 paired seeds always inconclusive."""
+    from flowcredit.commands.bench_stats import verdict
+
+    if rule == "better":
+        return verdict(("better", EQUIVALENCE), mean, half, n)
+    if n < 2 or half != half:
+        return f"inconclusive at n={n}"
+    if mean - half > -EQUIVALENCE:
+        return "reproduced"
+    return "not reproduced" if mean + half < -EQUIVALENCE else f"inconclusive at n={n}"
+
+
+def skill_report(records: dict[str, dict], categories: dict[str, str], baseline: str = "skill") -> dict:
+    """From published records (``name -> publish()`` JSON; the base evaluation under ``base-heldout``,
+    runs as ``<arm>-seed<k>``): per arm the seeds, mean scores and change from the base; paired
+    differences arm − baseline per seed with 95 % t-intervals (overall, per image, per category);
+    verdicts per claim."""
+    from flowcredit.commands.bench_stats import ci95
+
+    base = heldout_scores(records["base-heldout"]["heldout"], categories)
+    arms: dict[str, dict[int, dict]] = {}
+    for name, rec in records.items():
+        arm, _, seed = name.rpartition("-seed")
+        if arm and seed.isdigit() and "heldout" in rec:
+            arms.setdefault(arm, {})[int(seed)] = heldout_scores(rec["heldout"], categories)
+    out = {"base": base, "arms": {}, "paired": {}, "claims": []}
+    for arm, by_seed in sorted(arms.items()):
+        change = {k: ci95([s[k]["overall"] - base[k]["overall"] for s in by_seed.values()]) for k in base}
+        parts = {
+            f"{k}/{p}": ci95([s[k][p] - base[k][p] for s in by_seed.values()]) for k in base for p in base[k]
+        }
+        out["arms"][arm] = {"seeds": sorted(by_seed), "per_seed": by_seed, "change_from_base": change}
+        out["arms"][arm]["change_by_part"] = parts  # "strict/<category>", "soft/per_image", …
+    for arm, by_seed in sorted(arms.items()):
+        if arm == baseline or baseline not in arms:
+            continue
+        seeds = sorted(set(by_seed) & set(arms[baseline]))
+        if not seeds:
+            continue
+        diffs, verdicts = {}, {}
+        for key in ("strict", "soft"):
+            for part in base[key]:
+                values = [by_seed[s][key][part] - arms[baseline][s][key][part] for s in seeds]
+                diffs[f"{key}/{part}"] = ci95(values)
+                if f"{key}/{part}" in VERDICT_METRICS:
+                    verdicts[f"{key}/{part}"] = arm_verdict(values)
+        out["paired"][arm] = {"seeds": seeds, "diff": diffs, "verdict": verdicts}
+    for arm, claim, rule in SKILL_CLAIMS:
+        if arm in out["paired"]:
+            p = out["paired"][arm]
+            mean, half = p["diff"]["strict/overall"]
+            status = skill_verdict(rule, mean, half, len(p["seeds"]))
+            out["claims"].append({"arm": arm, "claim": claim, "n": len(p["seeds"]), "verdict": status})
+    return out
