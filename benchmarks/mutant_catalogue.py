@@ -296,15 +296,16 @@ MUTANTS = [
 ]  # fmt: skip
 
 # --- the newer methods' loop glue (issue 39): branch plans, step weights, RatioNorm, forward-process updates
-METHODS = "tests/test_loop_methods.py"
+PLAN_TESTS = "tests/test_loop_plans.py"
+UPDATE_TESTS = "tests/test_loop_updates.py"
 PLANS = "flowcredit/run/plans.py"
 FORWARD = "flowcredit/run/forward_update.py"
-BRANCHES = f"{METHODS}::test_branch_rollout_shares_the_ode_trunk_and_explores_one_step_per_branch"
-WEIGHTED = f"{METHODS}::test_update_gradient_is_the_weighted_sum_of_single_step_gradients"
-RATIO = f"{METHODS}::test_ratio_norm_sees_the_rollouts_means_and_rescored_transitions"
-FORWARD_GRAD = f"{METHODS}::test_forward_update_gradient_is_the_rules_loss_at_the_reproduced_draws"
-OLD = f"{METHODS}::test_old_policy_is_soft_updated_after_the_iteration"
-MIXGRPO = f"{METHODS}::test_mixgrpo_iteration_explores_and_trains_the_window_of_its_iteration"
+BRANCHES = f"{PLAN_TESTS}::test_branch_rollout_shares_the_ode_trunk_and_explores_one_step_per_branch"
+WEIGHTED = f"{PLAN_TESTS}::test_update_gradient_is_the_weighted_sum_of_single_step_gradients"
+RATIO = f"{UPDATE_TESTS}::test_ratio_norm_sees_the_rollouts_means_and_rescored_transitions"
+FORWARD_GRAD = f"{UPDATE_TESTS}::test_forward_update_gradient_is_the_rules_loss_at_the_reproduced_draws"
+OLD = f"{UPDATE_TESTS}::test_old_policy_is_soft_updated_after_the_iteration"
+MIXGRPO = f"{PLAN_TESTS}::test_mixgrpo_iteration_explores_and_trains_the_window_of_its_iteration"
 
 MUTANTS += [
     Mutant(
@@ -374,7 +375,7 @@ MUTANTS += [
         "forward_noise_drawn_per_rank", "update", FORWARD,
         "noise = torch.randn((len(times), total, *clean.shape[1:]), generator=gen)[:, lo:hi]",
         "noise = torch.randn((len(times), hi - lo, *clean.shape[1:]), generator=gen)",
-        (f"{METHODS}::test_forward_update_draws_of_a_row_do_not_depend_on_the_rank_split",),
+        (f"{UPDATE_TESTS}::test_forward_update_draws_of_a_row_do_not_depend_on_the_rank_split",),
         "a row's fresh noise depends on how the batch is split over ranks",
     ),
     Mutant(
@@ -397,7 +398,7 @@ MUTANTS += [
     Mutant(
         "nft_samples_with_the_current_policy", "update", TRAIN,
         'with clock("rollout"), s.sampling_policy():', 'with clock("rollout"):',
-        (f"{METHODS}::test_diffusion_nft_rolls_out_with_the_old_policy",),
+        (f"{UPDATE_TESTS}::test_diffusion_nft_rolls_out_with_the_old_policy",),
         "DiffusionNFT rolls out with θ instead of the old policy",
     ),
     Mutant(
