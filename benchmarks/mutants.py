@@ -1,6 +1,6 @@
 """Mutation check of the training glue (issue 28): does the test suite fail when the loop is wrong?
 
-Each mutant (``mutant_catalogue.py``) is one semantic bug, written as an exact edit of one line of
+Each mutant (``mutant_catalogue/``) is one semantic bug, written as an exact edit of one line of
 ``flowcredit/`` (the update, the values, ψ, the KL term, EMA, resume, export and the credit
 functions). The script
 copies the working tree to a temporary directory, checks that the chosen tests pass there unmutated,
