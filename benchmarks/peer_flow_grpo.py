@@ -28,7 +28,7 @@ adapter's default, 16 tokens on the tiny tokenizers; Flow-GRPO encodes 128).
 from __future__ import annotations
 
 import argparse
-import ast
+import contextlib
 import json
 import statistics
 import sys
@@ -38,19 +38,10 @@ import types
 from pathlib import Path
 
 import torch
+from peer_code import load_peer, peer_backward, peer_rollout, peer_update
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red square", "a photo of a cat", "a big blue circle on the sign", "a green triangle"]
-
-
-def peer_function(script: Path, name: str, namespace: dict):
-    """Function ``name`` of the peer's ``script``, compiled alone from its source (the script's module
-    code, which parses flags and imports its training stack, is not run)."""
-    tree = ast.parse(script.read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
-    code = compile(ast.Module(body=[node], type_ignores=[]), str(script), "exec")
-    exec(code, namespace)  # noqa: S102 - the peer's own function, from the path the user gave
-    return namespace[name]
 
 
 def build_pipeline(size: str, directory: Path) -> Path:
@@ -139,68 +130,51 @@ class Timer:
         return out
 
 
-def peer_rollout(peer, pipe, embeds, x0, args):
-    """The peer's sampling pipeline: images, states ``(B, N + 1, …)`` and log-probs ``(B, N)``."""
-    pe, ne, pp, np_ = embeds
-    images, latents, logps = peer["pipeline_with_logprob"](
-        pipe,
-        prompt_embeds=pe,
-        pooled_prompt_embeds=pp,
-        negative_prompt_embeds=ne,
-        negative_pooled_prompt_embeds=np_,
-        num_inference_steps=args.steps,
-        guidance_scale=args.cfg,
-        output_type="pt",
-        height=args.resolution,
-        width=args.resolution,
-        noise_level=args.noise_level,
-        latents=x0.to(pipe.transformer.dtype),
-    )
-    return images, torch.stack(latents, dim=1).float(), torch.stack(logps, dim=1)
+def our_rollout(s, cond, group, x0, r):
+    """Our rollout as :func:`flowcredit.train.grpo_iteration` runs it: the iteration's plan, in the
+    session's sampling context."""
+    from flowcredit.run.plans import iteration_plan, levels_of, sample
+    from flowcredit.run.rollout import seeded
+
+    plan = iteration_plan(s.cfg, s.sigmas, r)
+    levels = levels_of(plan, s.cfg, s.psi)
+    with s.sampling_policy():
+        rows, gen = (len(group), 0, len(group)), seeded(0, r, 2)
+        sam = sample(s.model, cond, group, x0, plan, levels, s.step_fn, gen, rows, **s.rollout_opts)
+    return plan, levels, sam
 
 
-def peer_update(peer, pipe, params, states, logps, adv, embeds, args):
-    """Flow-GRPO's per-timestep clipped update (train_sd3.py's loop at β = 0): every trained
-    timestep's loss backpropagated, one optimizer step for the batch (gradient accumulation)."""
-    peer_backward(peer, pipe, states, logps, adv, embeds, args)
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    peer["optimizer"].step()
-    peer["optimizer"].zero_grad(set_to_none=True)
+def joint_pair(self, joint, cond_only, uncond_only):
+    """CFG's two branches as one pass of 2B rows whatever ``cfg_uncond_grad`` says (the code before
+    issue 43; the unconditional half then detached by ``uncond_branch``)."""
+    v_cond, v_uncond = joint()
+    return v_cond, self.uncond_branch(v_uncond)
 
 
-def peer_backward(peer, pipe, states, logps, adv, embeds, args):
-    """The backward passes of :func:`peer_update` (the gradient it steps with), no optimizer step."""
-    pe, ne, pp, np_ = embeds
-    b, k = states.shape[0], args.steps - 1  # timestep_fraction 0.99 of 10: all steps but the last
-    sample = {
-        "latents": states[:, :-1].to(pipe.transformer.dtype),
-        "next_latents": states[:, 1:],
-        "timesteps": pipe.scheduler.timesteps.repeat(b, 1),
-        "log_probs": logps,
-    }
-    config = types.SimpleNamespace(
-        train=types.SimpleNamespace(cfg=True), sample=types.SimpleNamespace(guidance_scale=args.cfg)
-    )
-    config.sample.noise_level = args.noise_level
-    for j in range(k):
-        _, logp, _, _ = peer["compute_log_prob"](
-            pipe.transformer, pipe, sample, j, torch.cat([ne, pe]), torch.cat([np_, pp]), config
-        )
-        ratio = torch.exp(logp - sample["log_probs"][:, j])
-        a = adv[:, j]
-        unclipped, clipped = -a * ratio, -a * torch.clamp(ratio, 1.0 - args.clip, 1.0 + args.clip)
-        (torch.mean(torch.maximum(unclipped, clipped)) / k).backward()
+@contextlib.contextmanager
+def paths_before(s):
+    """Our side as it ran before issue 43: the rollout on peft's LoRA forward (no composed copies),
+    and CFG as one pass of 2B rows in the update as in the rollout (``joint_pair``); the statistics
+    are read back once per optimizer step as now (on the CPU the difference is not measurable)."""
+    cls, copies = type(s.model), s.sampling_copies
+    s.sampling_copies, cls.guided_pair = False, joint_pair
+    try:
+        yield
+    finally:
+        del cls.guided_pair  # the base class's again
+        s.sampling_copies = copies
 
 
-def our_backward(s, ro, adv, prompts, group):
+def our_backward(s, rolled, adv, prompts):
     """Our update's backward passes (``step_loss`` of every trained step on all rows, weight 1/K, as
     ``ppo_update`` runs them at this geometry), no optimizer step."""
     from flowcredit.train import step_loss
 
-    k, keep = ro.logp.shape[1] - 1, torch.arange(len(group))
+    plan, levels, sam = rolled
+    k, keep = sam.ro.logp.shape[1] - 1, torch.arange(len(sam.group))
     cond = s.model.encode(prompts)
     for i in range(k):  # timestep_fraction 0.99 of 10: all steps but the last, as peer_backward
-        step_loss(s, ro, adv, prompts, cond, group, keep, i, 1.0 / k)
+        step_loss(s, plan, levels, sam, adv, prompts, cond, keep, i, 1.0 / k, 1.0)
 
 
 def lora_gradient(params, backward) -> torch.Tensor:
@@ -214,11 +188,12 @@ def lora_gradient(params, backward) -> torch.Tensor:
     return flat
 
 
-def gradient_check(peer, s, pipe, ro, adv, prompts, group, embeds, args) -> dict:
-    """Both sides' LoRA gradients of one update on the same batch (our trajectory ``ro``, its
+def gradient_check(peer, s, pipe, rolled, adv, prompts, embeds, args) -> dict:
+    """Both sides' LoRA gradients of one update on the same batch (our trajectory ``rolled``, its
     log-probabilities as the old ones, the same weights): ours with ``cfg_uncond_grad`` false
     (Flow-GRPO's) and true (the library default), each against the peer's, as the relative
     difference ``‖g − g_peer‖ / ‖g_peer‖`` and the cosine."""
+    ro = rolled[2].ro
     sample_states, old = ro.states.to(s.model.device), ro.logp.to(s.model.device)
     adv = adv.to(s.model.device)
     peer_grad = lora_gradient(
@@ -227,7 +202,7 @@ def gradient_check(peer, s, pipe, ro, adv, prompts, group, embeds, args) -> dict
     out = {}
     for through_uncond in (False, True):
         s.model.cfg_uncond_grad = through_uncond
-        ours = lora_gradient(s.params, lambda: our_backward(s, ro, adv.cpu(), prompts, group))
+        ours = lora_gradient(s.params, lambda: our_backward(s, rolled, adv.cpu(), prompts))
         key = "cfg_uncond_grad_true" if through_uncond else "cfg_uncond_grad_false"
         out[key] = {
             "rel_diff": ((ours - peer_grad).norm() / peer_grad.norm()).item(),
@@ -295,17 +270,6 @@ def parse_args(argv):
     return args
 
 
-def load_peer(root: Path) -> dict:
-    """The peer's sampling pipeline and per-timestep log-probability, imported from ``root``."""
-    sys.path.insert(0, str(root))
-    from flow_grpo.diffusers_patch.sd3_pipeline_with_logprob import pipeline_with_logprob
-    from flow_grpo.diffusers_patch.sd3_sde_with_logprob import sde_step_with_logprob
-
-    namespace = {"torch": torch, "sde_step_with_logprob": sde_step_with_logprob}
-    compute = peer_function(root / "scripts" / "train_sd3.py", "compute_log_prob", namespace)
-    return {"pipeline_with_logprob": pipeline_with_logprob, "compute_log_prob": compute}
-
-
 def our_session(args, tmp: Path):
     """Our session on the pipeline (its transformer carries the LoRA both sides train)."""
     from flowcredit.config import Config
@@ -338,7 +302,7 @@ def our_session(args, tmp: Path):
 def measure(peer: dict, s, args) -> tuple[dict, tuple[float, float], dict]:
     """Median seconds per phase and side over ``args.repeats`` iterations (after one warm-up), the
     cross-checked log-probability differences and the gradient check (first iteration)."""
-    from flowcredit.run.rollout import rollout, seeded
+    from flowcredit.run.rollout import seeded
     from flowcredit.train import ppo_update
 
     model, pipe, device = s.model, s.model.pipe, s.model.device
@@ -352,32 +316,35 @@ def measure(peer: dict, s, args) -> tuple[dict, tuple[float, float], dict]:
             prompt=prompts, prompt_2=None, prompt_3=None, device=device,
             do_classifier_free_guidance=True, max_sequence_length=model.max_sequence_length,
         )  # fmt: skip  # (prompt, negative, pooled, negative pooled)
-    seconds, checks, grads = {}, None, None
+    seconds, checks, grads, first = {}, None, None, {"ours": [], "before": []}
     for r in range(args.repeats + 1):
         x0 = torch.randn(args.group, *model.latent_shape, generator=torch.Generator().manual_seed(r))
         adv = torch.randn(args.group, args.steps, generator=torch.Generator().manual_seed(100 + r))
         t = Timer(device)
+        s.policy.load_trainable_state(weights)  # every side samples and updates from the same weights
         with torch.no_grad():
             torch.manual_seed(r)
             _, states, logps = t("peer/rollout", peer_rollout, peer, pipe, embeds, x0.to(device), args)
-            ro = t(
-                "ours/rollout", rollout, model, cond, group, x0, s.sigmas, s.levels, s.step_fn,
-                seeded(0, r, 2), "gaussian", args.group,
-            )  # fmt: skip
-            t("ours/rollout", model.decode, ro.states[:, -1])  # the peer's pipeline decodes too
         pipe.scheduler.set_timesteps(args.steps, device=device)  # the peer's step looks t up here
-        if checks is None:
-            checks = cross_check(peer, s, pipe, states, logps, ro, cond, group, embeds, args)
-            s.policy.load_trainable_state(weights)  # the weights ro was sampled with: ratio 1
-            grads = gradient_check(peer, s, pipe, ro, adv, prompts, group, embeds, args)
-        s.policy.load_trainable_state(weights)
         update_args = (peer, pipe, s.params, states.to(device), logps, adv.to(device), embeds, args)
         t("peer/update", peer_update, *update_args)
-        s.policy.load_trainable_state(weights)
-        t("ours/update", ppo_update, s, ro, adv, prompts, group, keep, seeded(0, r, 3))
+        for side in ("ours", "before"):
+            with paths_before(s) if side == "before" else contextlib.nullcontext():
+                s.policy.load_trainable_state(weights)
+                with torch.no_grad():
+                    rolled = t(f"{side}/rollout", our_rollout, s, cond, group, x0, r)
+                    t(f"{side}/rollout", model.decode, rolled[2].ro.states[:, -1])  # the peer decodes too
+                if checks is None:
+                    checks = cross_check(
+                        peer, s, pipe, states, logps, rolled[2].ro, cond, group, embeds, args
+                    )
+                    grads = gradient_check(peer, s, pipe, rolled, adv, prompts, embeds, args)
+                m = t(f"{side}/update", ppo_update, s, *rolled, adv, prompts, keep, seeded(0, r, 3))
+                first[side].append(m["stats/first_ratio_maxdev"])
         if r > 0:  # the first iteration warms up
             for k, v in t.seconds.items():
                 seconds.setdefault(k, []).append(sum(v))
+    checks = (*checks, max(first["ours"]), max(first["before"]))
     return {k: statistics.median(v) for k, v in seconds.items()}, checks, grads
 
 
@@ -386,10 +353,10 @@ def summarise(args, med: dict, checks, grads: dict) -> dict:
     report = {
         "settings": vars(args),
         "seconds_median": med,
-        "logp_max_abs_diff": dict(zip(("ours_on_peer", "peer_on_ours"), checks)),
+        "logp_max_abs_diff": dict(zip(("ours_on_peer", "peer_on_ours"), checks[:2])),
         "lora_grad_vs_peer": grads,
     }
-    for side in ("peer", "ours"):
+    for side in ("peer", "before", "ours"):
         med[f"{side}/iteration"] = med[f"{side}/rollout"] + med[f"{side}/update"]
         report[f"{side}/iteration_s"] = med[f"{side}/iteration"]
         report[f"{side}/samples_per_s"] = args.group / med[f"{side}/iteration"]
@@ -397,16 +364,19 @@ def summarise(args, med: dict, checks, grads: dict) -> dict:
         f"{args.size} SD3, {args.group} samples × {args.steps} steps, {args.resolution}px, {args.dtype}, "
         f"{args.device}, LoRA r={args.lora_rank}; median of {args.repeats} iterations after a warm-up"
     )
-    print(f"{'phase':<10}{'Flow-GRPO s':>14}{'flowcredit s':>14}{'peer/ours':>11}")
+    print("| phase | Flow-GRPO s | flowcredit before s | flowcredit s | peer / before | peer / flowcredit |")
+    print("|---|---|---|---|---|---|")
     for phase in ("rollout", "update", "iteration"):
-        a, b = med[f"peer/{phase}"], med[f"ours/{phase}"]
-        print(f"{phase:<10}{a:>14.4f}{b:>14.4f}{a / b:>10.2f}×")
-    peer_rate, our_rate = report["peer/samples_per_s"], report["ours/samples_per_s"]
-    print(f"samples/s: Flow-GRPO {peer_rate:.2f}, flowcredit {our_rate:.2f}")
-    ours_on_peer, peer_on_ours = checks
+        a, b, c = (med[f"{side}/{phase}"] for side in ("peer", "before", "ours"))
+        print(f"| {phase} | {a:.4f} | {b:.4f} | {c:.4f} | {a / b:.2f}× | {a / c:.2f}× |")
+    rates = [report[f"{side}/samples_per_s"] for side in ("peer", "before", "ours")]
+    print("samples/s: Flow-GRPO {:.2f}, flowcredit before {:.2f}, flowcredit {:.2f}".format(*rates))
+    ours_on_peer, peer_on_ours, first_ours, first_before = checks
+    report["first_ratio_maxdev"] = {"ours": first_ours, "before": first_before}
     print(
         f"same trajectory, max |Δ log p|: ours on the peer's {ours_on_peer:.2e}, "
-        f"theirs on ours {peer_on_ours:.2e}"
+        f"theirs on ours {peer_on_ours:.2e}; the update's first max |r − 1|: {first_ours:.2e} "
+        f"(before: {first_before:.2e})"
     )
     for key, label in (("cfg_uncond_grad_false", "false (Flow-GRPO's)"), ("cfg_uncond_grad_true", "true")):
         g = grads[key]

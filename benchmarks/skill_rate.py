@@ -11,7 +11,10 @@ restored before each), alternating, ``--repeats`` times; the best of each is rep
     flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/skill_rate.py --threads 2
 
 Take figures from a quiet machine; the ratio of the two forwards, measured side by side, is the
-robust number.
+robust number. The first line names the CPU (model, vector extensions, torch's kernel level), so rows
+from different machines can stand in one table. ``--profile`` also runs one composed iteration under
+``torch.profiler`` and prints its top operators by self CPU time, with their share and, for the
+matmuls and convolutions, their rate.
 """
 
 from __future__ import annotations
@@ -45,6 +48,54 @@ def sgemm_gflops(n: int = 1024, trials: int = 5) -> float:
             a @ b
         best = min(best, (time.perf_counter() - t0) / 10)
     return 2 * n**3 / best / 1e9
+
+
+VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_description() -> dict:
+    """The CPU's model name, its vector extensions (from ``/proc/cpuinfo``'s flags) and the kernel
+    level torch dispatches to."""
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {
+        "model": model,
+        "vector": [f for f in VECTOR_FLAGS if f in flags],
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def profile_iteration(s, top: int = 12) -> list[dict]:
+    """One iteration under ``torch.profiler``: the ``top`` operators by self CPU time, each with its
+    share of the total, calls, and (matmuls, convolutions) GFLOP/s from the profiler's FLOP counts."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        grpo_iteration(s, 0)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    rows = []
+    for e in sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:top]:
+        seconds = e.self_cpu_time_total / 1e6
+        rate = e.flops / seconds / 1e9 if e.flops and seconds else None
+        rows.append(
+            {
+                "op": e.key,
+                "share": e.self_cpu_time_total / total,
+                "calls": e.count,
+                "s": seconds,
+                "gflops": rate,
+            }
+        )
+    return rows
 
 
 def forward_flops_per_row(s) -> float:
@@ -117,6 +168,7 @@ def main() -> None:
     p.add_argument(
         "--arms", default="", help="also time these arms of the skill comparison, e.g. dense_euler1"
     )
+    p.add_argument("--profile", action="store_true", help="also profile one composed iteration by operator")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,15 +185,23 @@ def main() -> None:
                 s.policy.load_trainable_state(state)
                 s.optimizer.load_state_dict(opt)
                 set_forward(s.model.net, name == "composed")
+                s.sampling_copies = name == "composed"  # peft: the rollout on peft's forward too
                 t0 = time.perf_counter()
                 m = grpo_iteration(s, 0)
                 runs[name].append((time.perf_counter() - t0, m))
-    sgemm = sgemm_gflops()
+        if args.profile:
+            s.policy.load_trainable_state(state)
+            s.optimizer.load_state_dict(opt)
+            set_forward(s.model.net, True)
+            s.sampling_copies = True
+            profiled = profile_iteration(s)
+    sgemm, cpu = sgemm_gflops(), cpu_description()
+    print(f"CPU: {cpu['model']}; {' '.join(cpu['vector'])}; torch kernels {cpu['torch_capability']}")
     print(f"torch {torch.__version__}, {args.threads} threads; sgemm 1024² float32: {sgemm:.0f} GFLOP/s")
     print(f"policy forward: {per_row / 1e9:.3f} GFLOP per row (CFG passes included)\n")
     print("| LoRA forward | iteration s | rollout s | update s | GFLOP | GFLOP/s | of sgemm |")
     print("|---|---|---|---|---|---|---|")
-    out = {"threads": args.threads, "sgemm_gflops": sgemm, "forward_gflop_per_row": per_row / 1e9}
+    out = {"cpu": cpu, "threads": args.threads, "sgemm_gflops": sgemm, "forward_gflop_per_row": per_row / 1e9}
     for name, results in runs.items():
         seconds, m = min(results, key=lambda r: r[0])
         flops = iteration_flops(m, per_row, passes, cfg.beta)
@@ -158,6 +218,13 @@ def main() -> None:
         for name, seconds in times.items():
             print(f"| {name} | {seconds:.2f} | {seconds / times['skill']:.2f}× |")
         out["arms"] = times
+    if args.profile:
+        print("\n| operator (one composed iteration) | self CPU share | calls | s | GFLOP/s |")
+        print("|---|---|---|---|---|")
+        for row in profiled:
+            rate = f"{row['gflops']:.0f}" if row["gflops"] else ""
+            print(f"| {row['op']} | {row['share']:.1%} | {row['calls']} | {row['s']:.2f} | {rate} |")
+        out["profile"] = profiled
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from flowcredit.errors import ConfigError, UserError
 
 TRAIN_PARAMS = ("lora", "text", "lora+text", "all")
-LORA_FORWARDS = ("auto", "composed", "peft")
+LORA_FORWARDS = ("auto", "composed", "peft", "peft+copy")
 LOG_WITH = ("tensorboard", "wandb", "none")
 
 
@@ -153,7 +153,7 @@ class Config:
     lora_targets: str = "default"
     """LoRA targets: 'default' (the adapter's), or a comma list of top modules ('unet,text') or suffixes."""
     lora_forward: str = "auto"
-    """LoRA forward: 'composed' (one op, W + s·B·A), 'peft' (three ops), 'auto' (composed on tiny)."""
+    """LoRA: 'composed' (W + s·B·A, one op), 'peft' (3 ops), 'peft+copy' (sampling: W + s·B·A copy), 'auto'"""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 1e-4

@@ -32,7 +32,7 @@ from flowcredit.rewards.guard import ScoreFn
 from flowcredit.run.calibrate import ensure_psi
 from flowcredit.run.evaluation import evaluate_policy
 from flowcredit.run.forward_update import forward_update, step_old_policy
-from flowcredit.run.micro_batches import micro_batches, param_spread
+from flowcredit.run.micro_batches import UpdateStats, micro_batches, param_spread
 from flowcredit.run.outputs import final_artifacts
 from flowcredit.run.plans import iteration_plan, levels_of, sample
 from flowcredit.run.rollout import needed_states, seeded, state_values
@@ -140,6 +140,9 @@ class PhaseClock:
         return {f"time/{k}_s": v for k, v in {**self.totals, **extra}.items()}
 
 
+STEP_STATS = ("loss/policy", "loss/kl", "stats/approx_kl", "stats/clipfrac", "stats/ratio_mean")
+
+
 def ppo_update(s: Session, plan, levels, sam, adv, prompts, keep, gen) -> dict:
     """PPO over the trained steps: one micro-batch per (step, row chunk), accumulated per update."""
     cfg, model = s.cfg, s.model
@@ -147,15 +150,7 @@ def ppo_update(s: Session, plan, levels, sam, adv, prompts, keep, gen) -> dict:
     rows_at = {int(i): keep[sam.row_trained[keep, i]] for i in steps}  # kept rows that train step i
     std = sam.ro.std.amax(dim=0)  # (M,) the exploration std of each step
     weights = step_weights(cfg.step_weight, plan.sigmas, plan.trained, std, weight_options(cfg))  # (M,)
-    totals = {
-        "loss/policy": 0.0,
-        "loss/kl": 0.0,
-        "stats/approx_kl": 0.0,
-        "stats/clipfrac": 0.0,
-        "stats/ratio_mean": 0.0,
-        "stats/grad_norm": 0.0,
-    }
-    count, updates, first_dev = 0, 0, None
+    stats = UpdateStats(STEP_STATS)
     n_rows = {
         i: int(s.dist.sum_(torch.tensor(float(len(r)))).item()) for i, r in rows_at.items()
     }  # all ranks
@@ -176,25 +171,13 @@ def ppo_update(s: Session, plan, levels, sam, adv, prompts, keep, gen) -> dict:
                     cond, cond_step = model.encode(prompts), i
                 with s.dist.accumulating(sync):
                     out = step_loss(s, plan, levels, sam, adv, prompts, cond, r, i, weight, float(weights[i]))
-                if weight == 0:  # a zero-weight pass (a rank without rows, or FSDP's padding): no statistics
-                    continue
-                if first_dev is None:  # before any optimizer step: exactly 1 (same model, same geometry)
-                    first_dev = out["stats/ratio_maxdev"]
-                for key, value in out.items():
-                    totals[key] = totals.get(key, 0.0) + value
-                count += 1
-            totals["stats/grad_norm"] += s.dist.clip_grad_norm_(s.params, cfg.max_grad_norm)
-            s.optimizer.step()
-            s.optimizer.zero_grad(set_to_none=True)
-            if s.ema is not None:
-                s.ema.update()
-            updates += 1
-    out = {k: v / max(count, 1) for k, v in totals.items() if k != "stats/grad_norm"}
-    out["stats/grad_norm"] = totals["stats/grad_norm"] / max(updates, 1)
-    out["stats/optimizer_steps"] = updates
+                if weight:  # a zero-weight pass (a rank without rows, or FSDP's padding): no statistics
+                    stats.add(out)
+            stats.optimizer_step(s)
+    out = stats.means()
     out["train_rows"] = sum(len(r) for r in rows_at.values()) * (2 if cfg.beta else 1)
-    if first_dev is not None:
-        out["stats/first_ratio_maxdev"] = first_dev
+    if stats.first is not None:  # before any optimizer step: exactly 1 (same model, same geometry)
+        out["stats/first_ratio_maxdev"] = stats.first["stats/ratio_maxdev"]
     return out | param_spread(s)
 
 
@@ -225,14 +208,16 @@ def step_loss(
             ).mean
         kl = kl_to_reference(step.mean, mean_ref, step.std, sigma_next - sigma, cfg.kl_mode).mean()
     s.dist.backward((w_i * policy_loss + cfg.beta * kl) * weight)
-    return {
-        "loss/policy": policy_loss.item(),
-        "loss/kl": kl.item(),
-        "stats/approx_kl": approx_kl(step.logp, logp_old).item(),
-        "stats/clipfrac": rule_clipfrac(s, given).item(),
-        "stats/ratio_mean": torch.exp(step.logp - logp_old).mean().item(),
-        "stats/ratio_maxdev": (torch.exp(step.logp - logp_old) - 1).abs().max().item(),
-    }
+    with torch.no_grad():  # 0-dim tensors, read back once per optimizer step (UpdateStats)
+        ratio = torch.exp(step.logp - logp_old)
+        return {
+            "loss/policy": policy_loss.detach(),
+            "loss/kl": kl.detach(),
+            "stats/approx_kl": approx_kl(step.logp, logp_old),
+            "stats/clipfrac": rule_clipfrac(s, given),
+            "stats/ratio_mean": ratio.mean(),
+            "stats/ratio_maxdev": (ratio - 1).abs().max(),
+        }
 
 
 def rule_clipfrac(s: Session, given: dict) -> torch.Tensor:

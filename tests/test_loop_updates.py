@@ -177,7 +177,7 @@ def test_forward_update_draws_of_a_row_do_not_depend_on_the_rank_split(rule, tmp
 
     def record(s_, point, adv_, cond, group, prompts, weight, fn_opts):
         seen.append(point)
-        return {"loss/policy": 0.0, "loss/kl": 0.0}
+        return {"loss/policy": torch.zeros(()), "loss/kl": torch.zeros(())}  # as draw_loss: 0-dim tensors
 
     monkeypatch.setattr(fu, "draw_loss", record)
     b = len(batch.group)

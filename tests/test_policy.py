@@ -112,10 +112,14 @@ def _guided_by_hand(model, x, sigma, cond, detach_null: bool) -> torch.Tensor:
     """The tiny model's CFG velocity built from its unguided passes, ``v_null`` detached on request."""
     from flowcredit.models.tiny import TextCond
 
-    both = TextCond.cat([cond, cond.null.expand(len(x))])
-    v_cond, v_null = model.predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
-    if detach_null:
-        v_null = v_null.detach()
+    null = cond.null.expand(len(x))
+    if detach_null:  # the unconditional rows as a pass of their own, without a graph
+        with torch.no_grad():
+            v_null = model.predict(x, sigma, null)
+        v_cond = model.predict(x, sigma, cond)
+    else:  # both branches as one batch of 2B rows
+        both = TextCond.cat([cond, null])
+        v_cond, v_null = model.predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
     return v_null + model.guidance_scale * (v_cond - v_null)
 
 
@@ -155,7 +159,7 @@ def test_cfg_uncond_grad_detaches_the_unconditional_branch(through_uncond):
         assert null_grad is not None and null_grad.abs().max() > 0
     else:
         assert null_grad is None or not null_grad.any()  # the unconditional branch: zero gradient
-    with torch.no_grad():
+    with torch.no_grad():  # two passes of B rows or one of 2B: the same velocity to float round-off
         torch.testing.assert_close(
             model.velocity(x, sigma, cond), _guided_by_hand(model, x, sigma, cond, False)
         )

@@ -111,9 +111,9 @@ MUTANTS = [
         "EMA keeps (1 - d) of the average instead of d",
     ),
     Mutant(
-        "ema_never_updated", "ema", TRAIN,
-        "                s.ema.update()",
-        "                pass",
+        "ema_never_updated", "ema", "flowcredit/run/micro_batches.py",
+        "            s.ema.update()",
+        "            pass",
         (f"{DIRECTION}::test_ema_averages_the_weights_after_every_optimizer_step",),
         "the loop never updates the EMA",
     ),
@@ -276,5 +276,24 @@ MUTANTS = [
         "update = trained * cfg.inner_epochs * (2 if cfg.beta else 1)",
         "update = trained * cfg.inner_epochs",
         ("tests/test_bench_skill.py",), "equal-NFE iterations forget the KL's reference forward",
+    ),
+    Mutant(
+        "sampling_copy_without_lora", "lora", "flowcredit/run/lora_compose.py",
+        "layer._sampling_weight = composed_weight(layer.base_layer.weight, a, b, layer.scaling[name])",
+        "layer._sampling_weight = layer.base_layer.weight",
+        ("tests/test_sampling_copies.py",), "the rollout's LoRA copy is the base weight (the LoRA ignored)",
+    ),
+    Mutant(
+        "sampling_copy_stays", "lora", "flowcredit/run/lora_compose.py",
+        "                del layer.forward  # peft's class forward again",
+        "                pass",
+        ("tests/test_sampling_copies.py",), "a layer keeps running its sampling copy after the rollout",
+    ),
+    Mutant(
+        "split_uncond_with_grad", "lora", "flowcredit/models/protocol.py",
+        "        with torch.no_grad():\n            v_uncond = uncond_only()",
+        "        if True:\n            v_uncond = uncond_only()",
+        ("tests/test_policy.py::test_cfg_uncond_grad_detaches_the_unconditional_branch",),
+        "cfg_uncond_grad off: the separate unconditional pass keeps its graph (gradient through it)",
     ),
 ]  # fmt: skip

@@ -95,8 +95,8 @@ MUTANTS = [
     ),
     Mutant(
         "old_decay_counts_one_iteration", "update", FORWARD,
-        's.history["update_steps"] = s.history.get("update_steps", 0) + updates',
-        's.history["update_steps"] = updates',
+        's.history["update_steps"] = s.history.get("update_steps", 0) + stats.updates',
+        's.history["update_steps"] = stats.updates',
         (OLD,), "η ramps by this iteration's optimizer steps, not by all so far",
     ),
     Mutant(

@@ -127,13 +127,20 @@ class QwenImageFlowModel(DiffusersFlowModel):
         b, _, h, w = x.shape
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)  # (B,)
         tokens = pack(x.float())
-        v_cond = self.predict(tokens, sigma, cond, h, w)  # (B, T, 4C)
         g = self.guidance_scale
-        if g != 1.0:
-            v_neg = self.uncond_branch(self.predict(tokens, sigma, cond.null.expand(b), h, w))
-            v = v_neg + g * (v_cond - v_neg)
-            v_cond = v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
-        return unpack(v_cond, h, w).to(x.device)
+        if g == 1.0:
+            return unpack(self.predict(tokens, sigma, cond, h, w), h, w).to(x.device)
+
+        def cond_pass():
+            return self.predict(tokens, sigma, cond, h, w)  # (B, T, 4C)
+
+        def neg_pass():
+            return self.predict(tokens, sigma, cond.null.expand(b), h, w)
+
+        v_cond, v_neg = self.guided_pair(lambda: (cond_pass(), neg_pass()), cond_pass, neg_pass)
+        v = v_neg + g * (v_cond - v_neg)
+        v = v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
+        return unpack(v, h, w).to(x.device)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Latents ``(B, C, h, w)`` → images ``(B, 3, H, W)`` float32 in [0, 1] (a one-frame clip of

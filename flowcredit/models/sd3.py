@@ -7,7 +7,8 @@
   ``x + (σ' − σ)·model_output``, exactly our Euler step.
 * Classifier-free guidance: the conditional and empty-prompt branches run as one batch of ``2B`` and
   combine in float32, ``v_null + w·(v_cond − v_null)``; ``w == 1`` runs only the conditional branch.
-  ``cfg_uncond_grad = False`` detaches ``v_null`` (Flow-GRPO's update).
+  ``cfg_uncond_grad = False`` detaches ``v_null`` (Flow-GRPO's update): it then runs as its own pass of
+  ``B`` rows without a graph (:meth:`FlowModelBase.guided_pair`).
 * Text: the CLIP-L and CLIP-G embeddings (77 tokens, their tokenizers' length) are followed by
   ``max_sequence_length`` T5 tokens, padded to that length for every prompt and the empty one alike
   (256 by default, as the pipeline's; Flow-GRPO encodes 128). SD3's joint attention attends to the
@@ -101,7 +102,8 @@ class SD3FlowModel(DiffusersFlowModel):
             x: ``(B, C, h, w)`` float32; sigma: ``(B,)`` (or a float) in [0, 1]; cond: ``B`` rows of
                 ``encode`` output.
         Returns:
-            ``(B, C, h, w)`` float32. ``w == 1``: one conditional pass; otherwise one pass of ``2B``.
+            ``(B, C, h, w)`` float32. ``w == 1``: one conditional pass; otherwise one pass of ``2B``
+            (``cfg_uncond_grad`` off: two of ``B``, :meth:`guided_pair`).
         """
         b = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)  # (B,)
@@ -111,13 +113,16 @@ class SD3FlowModel(DiffusersFlowModel):
         if cond.null is None:
             raise ValueError("guidance_scale != 1 needs a cond from encode() (it carries the null branch)")
         null = cond.null.expand(b)
-        v_null, v_cond = self.predict(
-            torch.cat([x, x]),
-            torch.cat([sigma, sigma]),
-            torch.cat([null.embeds, cond.embeds]),
-            torch.cat([null.pooled, cond.pooled]),
-        ).chunk(2)
-        v_null = self.uncond_branch(v_null)
+        v_cond, v_null = self.guided_pair(
+            lambda: self.predict(
+                torch.cat([x, x]),
+                torch.cat([sigma, sigma]),
+                torch.cat([null.embeds, cond.embeds]),
+                torch.cat([null.pooled, cond.pooled]),
+            ).chunk(2)[::-1],  # the batch is (null, cond)
+            lambda: self.predict(x, sigma, cond.embeds, cond.pooled),
+            lambda: self.predict(x, sigma, null.embeds, null.pooled),
+        )
         return v_null + w * (v_cond - v_null)
 
     def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:

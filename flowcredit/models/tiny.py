@@ -190,8 +190,9 @@ class TinyFlowModel(FlowModelBase):
             x: ``(B, 3, H, W)`` float32; sigma: ``(B,)`` (or a float) in [0, 1]; cond: ``encode`` output.
         Returns:
             ``(B, 3, H, W)`` float32 on ``x``'s device. With ``w == 1`` only the conditional pass runs;
-            otherwise both branches run as one batch of ``2B``. ``x`` may live on another device than
-            the network (the trainer keeps latents on the CPU): it is moved there and back.
+            otherwise both branches run as one batch of ``2B`` (``cfg_uncond_grad`` off: two of ``B``).
+            ``x`` may live on another device than the network (the trainer keeps latents on the CPU):
+            it is moved there and back.
         """
         if x.device != self.device:
             return self.velocity(x.to(self.device), torch.as_tensor(sigma).to(self.device), cond).to(x.device)
@@ -202,9 +203,14 @@ class TinyFlowModel(FlowModelBase):
             return self.predict(x, sigma, cond)
         if cond.null is None:
             raise ValueError("guidance_scale != 1 needs a cond from encode() (it carries the null branch)")
-        both = TextCond.cat([cond, cond.null.expand(B)])  # (2B, ...)
-        v_cond, v_null = self.predict(torch.cat([x, x]), torch.cat([sigma, sigma]), both).chunk(2)
-        v_null = self.uncond_branch(v_null)
+        null = cond.null.expand(B)
+        v_cond, v_null = self.guided_pair(
+            lambda: self.predict(
+                torch.cat([x, x]), torch.cat([sigma, sigma]), TextCond.cat([cond, null])
+            ).chunk(2),
+            lambda: self.predict(x, sigma, cond),
+            lambda: self.predict(x, sigma, null),
+        )  # one pass of 2B rows (cfg_uncond_grad off: B conditional rows, B unconditional without grad)
         return v_null + w * (v_cond - v_null)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:

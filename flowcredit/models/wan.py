@@ -134,7 +134,8 @@ class WanFlowModel(DiffusersFlowModel):
         Args:
             x: ``(B, C, F', h, w)`` float32; sigma: ``(B,)`` (or a float) in [0, 1]; cond: ``B`` rows.
         Returns:
-            ``(B, C, F', h, w)`` float32. ``w == 1``: one conditional pass; otherwise one pass of ``2B``.
+            ``(B, C, F', h, w)`` float32. ``w == 1``: one conditional pass; otherwise one pass of ``2B``
+            (``cfg_uncond_grad`` off: two of ``B``, :meth:`guided_pair`).
         """
         b = x.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(b)  # (B,)
@@ -142,10 +143,13 @@ class WanFlowModel(DiffusersFlowModel):
         if w == 1.0:
             return self.predict(x, sigma, cond.embeds)
         null = cond.null.expand(b)
-        v_cond, v_neg = self.predict(
-            torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([cond.embeds, null.embeds])
-        ).chunk(2)
-        v_neg = self.uncond_branch(v_neg)
+        v_cond, v_neg = self.guided_pair(
+            lambda: self.predict(
+                torch.cat([x, x]), torch.cat([sigma, sigma]), torch.cat([cond.embeds, null.embeds])
+            ).chunk(2),
+            lambda: self.predict(x, sigma, cond.embeds),
+            lambda: self.predict(x, sigma, null.embeds),
+        )
         return v_neg + w * (v_cond - v_neg)
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:

@@ -123,10 +123,13 @@ class ZImageFlowModel(DiffusersFlowModel):
         if w <= 0:
             return self.predict(x, sigma, cond.embeds)
         null = cond.null.expand(b)
-        v_cond, v_neg = self.predict(
-            torch.cat([x, x]), torch.cat([sigma, sigma]), cond.embeds + null.embeds
-        ).chunk(2)
-        v_neg = self.uncond_branch(v_neg)
+        v_cond, v_neg = self.guided_pair(
+            lambda: self.predict(
+                torch.cat([x, x]), torch.cat([sigma, sigma]), cond.embeds + null.embeds
+            ).chunk(2),
+            lambda: self.predict(x, sigma, cond.embeds),
+            lambda: self.predict(x, sigma, null.embeds),
+        )
         return v_cond + w * (v_cond - v_neg)
 
     def sigmas(self, num_steps: int, shift: float | None = None) -> torch.Tensor:

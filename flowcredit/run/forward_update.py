@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from flowcredit.run.micro_batches import micro_batches, param_spread
+from flowcredit.run.micro_batches import UpdateStats, micro_batches, param_spread
 from flowcredit.run.rollout import seeded
 from flowcredit.updates import noised, velocity_kl
 
@@ -40,7 +40,7 @@ def forward_update(s, ro, adv, prompts, group, keep, rows, iteration: int) -> di
         return {}
     draws = list(range(len(times)))
     rows_at, counts = dict.fromkeys(draws, keep), dict.fromkeys(draws, n_rows)
-    totals, count, updates = {"loss/policy": 0.0, "loss/kl": 0.0, "stats/grad_norm": 0.0}, 0, 0
+    stats = UpdateStats(("loss/policy", "loss/kl"))
     for _ in range(cfg.inner_epochs):
         order = torch.randperm(len(draws), generator=gen).tolist()
         for start in range(0, len(order), cfg.steps_per_update):
@@ -51,19 +51,10 @@ def forward_update(s, ro, adv, prompts, group, keep, rows, iteration: int) -> di
                 with s.dist.accumulating(sync):
                     out = draw_loss(s, point, adv[r], cond, group[r], prompts, weight, fn_opts)
                 if weight:
-                    count += 1
-                    for key, value in out.items():
-                        totals[key] += value
-            totals["stats/grad_norm"] += s.dist.clip_grad_norm_(s.params, cfg.max_grad_norm)
-            s.optimizer.step()
-            s.optimizer.zero_grad(set_to_none=True)
-            if s.ema is not None:
-                s.ema.update()
-            updates += 1
-    s.history["update_steps"] = s.history.get("update_steps", 0) + updates
-    out = {k: v / max(count, 1) for k, v in totals.items() if k != "stats/grad_norm"}
-    out["stats/grad_norm"] = totals["stats/grad_norm"] / max(updates, 1)
-    out["stats/optimizer_steps"] = updates
+                    stats.add(out)
+            stats.optimizer_step(s)
+    s.history["update_steps"] = s.history.get("update_steps", 0) + stats.updates
+    out = stats.means()
     out["train_rows"] = len(keep) * len(draws) * (3 if cfg.beta else 2)
     return out | param_spread(s)
 
@@ -87,7 +78,7 @@ def draw_loss(s, point, adv, cond, group, prompts, weight: float, fn_opts: dict)
     loss = s.update.fn(v_theta=v, v_old=v_old, clean=clean, noise=noise, t=t, adv=adv, **fn_opts)
     kl = velocity_kl(v, v_ref).mean() if v_ref is not None else torch.zeros(())
     s.dist.backward((loss + cfg.beta * kl) * weight)
-    return {"loss/policy": loss.item(), "loss/kl": kl.item()}
+    return {"loss/policy": loss.detach(), "loss/kl": kl.detach()}
 
 
 def step_old_policy(s) -> None:

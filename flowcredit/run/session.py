@@ -25,7 +25,7 @@ from flowcredit.models.registry import apply_text_length
 from flowcredit.rewards import Reward, check_metadata, get_reward, parse_mix, uses_shapeeval
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from flowcredit.run.distributed import Dist
-from flowcredit.run.lora_compose import compose_lora
+from flowcredit.run.lora_compose import compose_lora, sampling_copies
 from flowcredit.run.policy import EMA, Policy
 from flowcredit.run.rollout import Batch, draw_batch, noise_levels
 from flowcredit.run.sharding import full_dict, full_optimizer_state, shard_like, shard_optimizer_state
@@ -59,6 +59,8 @@ class Session:
     """The old policy of a forward-process update rule (``Update.old_decay``): a soft-updated copy of
     the trainable weights, swapped in for its velocity (and, for DiffusionNFT, for sampling)."""
     eval_reward: Reward | None = None
+    sampling_copies: bool = False
+    """Whether the rollout runs the LoRA layers on a copy of their composed weights (lora_forwards)."""
     start_iteration: int = 0
     history: dict = field(default_factory=dict)
 
@@ -84,10 +86,18 @@ class Session:
         """The update rule's options (defaults, ``clip_range`` from its field, ``update_options``)."""
         return update_options(self.cfg)
 
+    @contextlib.contextmanager
     def sampling_policy(self):
         """The context the rollout samples in: the old policy for a rule that samples with it
-        (DiffusionNFT), the current one otherwise."""
-        return self.old.applied() if self.update.samples_with == "old" else contextlib.nullcontext()
+        (DiffusionNFT), the current one otherwise; with ``sampling_copies`` (:func:`lora_forwards`),
+        each LoRA layer runs one op with ``W + s·B·A`` computed once for the rollout
+        (:func:`flowcredit.run.lora_compose.sampling_copies`; base weights untouched)."""
+        with contextlib.ExitStack() as stack:
+            if self.update.samples_with == "old":
+                stack.enter_context(self.old.applied())
+            if self.sampling_copies:
+                stack.enter_context(sampling_copies(self.model.net))
+            yield
 
     @property
     def levels(self) -> torch.Tensor:
@@ -261,7 +271,8 @@ def _assemble(cfg: Config, dist: Dist, run_dir: Path, resume: bool, model, rewar
     check_metadata(s.eval_reward or s.reward, s.eval_metas, cfg.eval_prompts)
     # FSDP2 replaces the parameters by DTensor shards: the EMA and the restore come after prepare
     s.optimizer = dist.prepare(model.net, s.optimizer, model.fsdp_block_classes)
-    if lora_composed(cfg, model, dist.sharded):
+    composed, s.sampling_copies = lora_forwards(cfg, model, dist.sharded)
+    if composed:
         compose_lora(model.net)
     s.ema = EMA(s.params, cfg.ema_decay) if cfg.ema_decay else None
     s.old = EMA(s.params, 0.0) if s.update.old_decay is not None else None
@@ -297,11 +308,25 @@ def build_reward(cfg: Config, spec: str, named_only: bool = False) -> Reward:
     return get_reward(spec, options or None, cfg.reward_frame_stride)
 
 
+def lora_forwards(cfg: Config, model: FlowModel, sharded: bool) -> tuple[bool, bool]:
+    """``(composed, sampling_copies)``: whether the LoRA layers run composed under gradient
+    (:func:`lora_composed`), and whether the rollout runs them on a copy of ``W + s·B·A`` computed
+    once per rollout (:func:`flowcredit.run.lora_compose.sampling_copies`). ``lora_forward``:
+    ``"peft"`` neither; ``"composed"`` both (the copy holds the composed forward's own weight: the
+    same numbers); ``"peft+copy"`` the copy only; ``"auto"``: ``"composed"`` on an adapter that
+    asks for it (``compose_lora = True``: the built-in model), ``"peft+copy"`` on the others. Never
+    on FSDP shards (peft's forward there)."""
+    composed = lora_composed(cfg, model, sharded)
+    if "lora" not in cfg.train_params or cfg.lora_forward == "peft" or sharded:
+        return composed, False
+    return composed, True
+
+
 def lora_composed(cfg: Config, model: FlowModel, sharded: bool) -> bool:
     """Whether the LoRA layers run composed (:mod:`flowcredit.run.lora_compose`): ``lora_forward``
     ``"composed"``, or ``"auto"`` on an adapter that asks for it (``compose_lora = True``: the built-in
     model); never on FSDP shards."""
-    if "lora" not in cfg.train_params or cfg.lora_forward == "peft":
+    if "lora" not in cfg.train_params or cfg.lora_forward in ("peft", "peft+copy"):
         return False
     if cfg.lora_forward == "composed" and sharded:
         raise ConfigError("lora_forward", "'composed' cannot run on FSDP shards: use 'peft' or 'auto'")
