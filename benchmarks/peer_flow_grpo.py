@@ -36,6 +36,7 @@ import tempfile
 import time
 import types
 from pathlib import Path
+from unittest import mock
 
 import torch
 from peer_code import load_peer, peer_backward, peer_rollout, peer_update
@@ -154,14 +155,17 @@ def joint_pair(self, joint, cond_only, uncond_only):
 @contextlib.contextmanager
 def paths_before(s):
     """Our side as it ran before issue 43: the rollout on peft's LoRA forward (no composed copies),
-    and CFG as one pass of 2B rows in the update as in the rollout (``joint_pair``); the statistics
-    are read back once per optimizer step as now (on the CPU the difference is not measurable)."""
-    cls, copies = type(s.model), s.sampling_copies
-    s.sampling_copies, cls.guided_pair = False, joint_pair
+    and CFG as one pass of 2B rows in the update as in the rollout (``joint_pair``; no unconditional
+    velocity kept from the rollout); the statistics are read back once per optimizer step as now (on
+    the CPU the difference is not measurable)."""
+    copies, s.sampling_copies = s.sampling_copies, False
     try:
-        yield
+        with (
+            mock.patch.object(type(s.model), "guided_pair", joint_pair),
+            mock.patch.object(type(s), "reuses_uncond", property(lambda self: False)),
+        ):
+            yield
     finally:
-        del cls.guided_pair  # the base class's again
         s.sampling_copies = copies
 
 

@@ -35,7 +35,7 @@ from flowcredit.run.forward_update import forward_update, step_old_policy
 from flowcredit.run.micro_batches import UpdateStats, micro_batches, param_spread
 from flowcredit.run.outputs import final_artifacts
 from flowcredit.run.plans import iteration_plan, levels_of, sample
-from flowcredit.run.rollout import needed_states, seeded, state_values
+from flowcredit.run.rollout import needed_states, seeded, state_values, uncond_given
 from flowcredit.run.runlog import RunLog, plot_curves
 from flowcredit.run.session import Session, build_session
 from flowcredit.step_weights import step_weights
@@ -78,6 +78,7 @@ def grpo_iteration(s: Session, it: int) -> dict:
         else:
             stats = ppo_update(s, plan, levels, sam, adv, batch.prompts, keep, seeded(cfg.seed, it, 3))
     step_old_policy(s)
+    train_rows, reused = stats.pop("train_rows", 0), stats.pop("uncond_reused", 0)
     final = values[ok, -1]
     total = s.dist.sum_(torch.tensor([final.sum().item(), float(len(final))], dtype=torch.float64))
     passes = s.dist.world * s.guidance_passes  # network calls per row over all ranks
@@ -94,7 +95,7 @@ def grpo_iteration(s: Session, it: int) -> dict:
         "stats/bad_reward_groups": len(bad_groups),
         "nfe/rollout": passes * sam.nfe,
         "nfe/values": nfe_values * passes,
-        "nfe/train": stats.pop("train_rows", 0) * passes * cfg.inner_epochs,
+        "nfe/train": (train_rows * s.guidance_passes * cfg.inner_epochs - reused) * s.dist.world,
         **stats,
         **clock.seconds(reward=score.seconds),
     }
@@ -150,7 +151,7 @@ def ppo_update(s: Session, plan, levels, sam, adv, prompts, keep, gen) -> dict:
     rows_at = {int(i): keep[sam.row_trained[keep, i]] for i in steps}  # kept rows that train step i
     std = sam.ro.std.amax(dim=0)  # (M,) the exploration std of each step
     weights = step_weights(cfg.step_weight, plan.sigmas, plan.trained, std, weight_options(cfg))  # (M,)
-    stats = UpdateStats(STEP_STATS)
+    stats, reused = UpdateStats(STEP_STATS), 0
     n_rows = {
         i: int(s.dist.sum_(torch.tensor(float(len(r)))).item()) for i, r in rows_at.items()
     }  # all ranks
@@ -169,29 +170,36 @@ def ppo_update(s: Session, plan, levels, sam, adv, prompts, keep, gen) -> dict:
             for i, r, weight, sync in units:
                 if i != cond_step:  # under grad: the text encoder may train
                     cond, cond_step = model.encode(prompts), i
+                uncond = sam.ro.uncond[r, i] if sam.ro.uncond is not None and not stats.updates else None
+                reused += len(r) if uncond is not None and weight else 0  # the rollout's own: no pass
                 with s.dist.accumulating(sync):
-                    out = step_loss(s, plan, levels, sam, adv, prompts, cond, r, i, weight, float(weights[i]))
+                    out = step_loss(
+                        s, plan, levels, sam, adv, prompts, cond, r, i, weight, float(weights[i]), uncond
+                    )
                 if weight:  # a zero-weight pass (a rank without rows, or FSDP's padding): no statistics
                     stats.add(out)
             stats.optimizer_step(s)
     out = stats.means()
     out["train_rows"] = sum(len(r) for r in rows_at.values()) * (2 if cfg.beta else 1)
+    out["uncond_reused"] = reused
     if stats.first is not None:  # before any optimizer step: exactly 1 (same model, same geometry)
         out["stats/first_ratio_maxdev"] = stats.first["stats/ratio_maxdev"]
     return out | param_spread(s)
 
 
 def step_loss(
-    s: Session, plan, levels, sam, adv, prompts, cond, r, i: int, weight: float, w_i: float
+    s: Session, plan, levels, sam, adv, prompts, cond, r, i: int, weight: float, w_i: float, uncond=None
 ) -> dict:
     """Backward of ``weight·(w_i·L_pg + β·KL)`` for rows ``r`` at step ``i``; returns the statistics.
+    ``uncond``: the rollout's unconditional CFG velocity of these rows (``cfg_uncond_grad`` off,
+    before the update's first optimizer step), used instead of running that pass.
     ``L_pg`` is the update rule's loss (``clipped``: Flow-GRPO's surrogate), ``w_i`` the step's loss
     weight (the KL term is not weighted, as in TempFlow-GRPO's and GRPO-Guard's code); the clip
     fraction is the rule's own (GRPO-Guard: of its normalised ratio against its clip range)."""
     cfg, model, ro, group = s.cfg, s.model, sam.ro, sam.group
     x, x_next = ro.states[r, i], ro.states[r, i + 1]
     sigma, sigma_next, level = plan.sigmas[i].item(), plan.sigmas[i + 1].item(), float(levels[i])
-    with s.dist.wrapped_net(model):  # the DDP forward (the plain network with one process)
+    with s.dist.wrapped_net(model), uncond_given(model, uncond):  # DDP's forward (1 process: the net)
         v = model.velocity(x, plan.sigmas[i].expand(len(r)), cond[group[r]])
     step = s.step_fn(v, x, sigma, sigma_next, level, x_next=x_next, logp_mode=cfg.logp_mode)
     logp_old = ro.logp[r, i]

@@ -159,7 +159,7 @@ def test_cfg_uncond_grad_detaches_the_unconditional_branch(through_uncond):
         assert null_grad is not None and null_grad.abs().max() > 0
     else:
         assert null_grad is None or not null_grad.any()  # the unconditional branch: zero gradient
-    with torch.no_grad():  # two passes of B rows or one of 2B: the same velocity to float round-off
+    with torch.no_grad():  # without gradient, CFG's one joint pass whatever cfg_uncond_grad says
         torch.testing.assert_close(
             model.velocity(x, sigma, cond), _guided_by_hand(model, x, sigma, cond, False)
         )

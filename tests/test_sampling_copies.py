@@ -73,20 +73,27 @@ def test_a_disabled_layer_runs_its_base_and_is_not_copied():
         torch.testing.assert_close(got, net(x), rtol=1e-5, atol=1e-6)
 
 
+F32, BF16 = torch.float32, torch.bfloat16
+
+
 @pytest.mark.parametrize(
-    ("fields", "compose_lora_attr", "sharded", "want"),
+    ("fields", "compose_lora_attr", "dtype", "sharded", "want"),
     [
-        ({"lora_forward": "peft"}, True, False, (False, False)),
-        ({"lora_forward": "composed"}, False, False, (True, True)),
-        ({"lora_forward": "peft+copy"}, True, False, (False, True)),
-        ({"lora_forward": "auto"}, True, False, (True, True)),  # the built-in model
-        ({"lora_forward": "auto"}, False, False, (False, True)),  # a diffusers adapter
-        ({"lora_forward": "auto"}, False, True, (False, False)),  # FSDP shards: peft's forward
-        ({"lora_forward": "auto", "train_params": "text"}, True, False, (False, False)),
+        ({"lora_forward": "peft"}, True, F32, False, (False, False)),
+        ({"lora_forward": "composed"}, False, F32, False, (True, True)),
+        ({"lora_forward": "peft+copy"}, True, F32, False, (False, True)),
+        ({"lora_forward": "peft+copy"}, False, BF16, False, (False, True)),  # asked for
+        ({"lora_forward": "auto"}, True, F32, False, (True, True)),  # the built-in model
+        ({"lora_forward": "auto", "autocast": True}, True, F32, False, (True, True)),  # its own weight
+        ({"lora_forward": "auto"}, False, F32, False, (False, True)),  # a float32 diffusers adapter
+        ({"lora_forward": "auto"}, False, BF16, False, (False, False)),  # 16 bits: peft's forward
+        ({"lora_forward": "auto", "autocast": True}, False, F32, False, (False, False)),
+        ({"lora_forward": "auto"}, False, F32, True, (False, False)),  # FSDP shards: peft's forward
+        ({"lora_forward": "auto", "train_params": "text"}, True, F32, False, (False, False)),
     ],
 )
-def test_which_runs_copy(fields, compose_lora_attr, sharded, want):
-    model = type("Adapter", (), {"compose_lora": compose_lora_attr})()
+def test_which_runs_copy(fields, compose_lora_attr, dtype, sharded, want):
+    model = type("Adapter", (), {"compose_lora": compose_lora_attr, "dtype": dtype})()
     assert lora_forwards(Config(**fields), model, sharded) == want
 
 
@@ -115,15 +122,17 @@ def _builtin_config(tmp_path, dtype: str) -> Config:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kind", ["tiny", "sd3"])
 def test_base_weights_stay_bit_identical_over_iterations(kind, dtype, tmp_path, monkeypatch, one_thread):
-    """Three iterations at ``lora_forward`` 'auto' (the rollout on copies, the values and evaluation on
-    merged weights restored from a copy, the update through LoRA): every base weight of the network
-    bit for bit what was loaded, in float32 and bfloat16 (the built-in model: bf16 autocast), and the
-    LoRA moved."""
+    """Three iterations with the rollout on copies (``lora_forward`` 'auto' on the built-in model,
+    'peft+copy' on SD3, which 'auto' gives in float32 only), the values and evaluation on merged
+    weights restored from a copy, the update through LoRA: every base weight of the network bit for
+    bit what was loaded, in float32 and bfloat16 (the built-in model: bf16 autocast), and the LoRA
+    moved."""
     from flowcredit.models import load_model
     from flowcredit.train import train
 
     make = _builtin_config if kind == "tiny" else _diffusers_config
-    cfg = validate(dataclasses.replace(make(tmp_path, dtype), iterations=3, threads=1))
+    forward = "auto" if kind == "tiny" else "peft+copy"
+    cfg = validate(dataclasses.replace(make(tmp_path, dtype), iterations=3, threads=1, lora_forward=forward))
     entered = []
     real = session_module.sampling_copies
 

@@ -107,20 +107,35 @@ class FlowModelBase:
     """Whether gradients flow through CFG's unconditional branch (config field ``cfg_uncond_grad``);
     an adapter honours it by passing that branch's velocity through :meth:`uncond_branch`."""
 
-    def guided_pair(self, joint, cond_only, uncond_only) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(v_cond, v_uncond)``, CFG's two branches, from one of two geometries.
+    uncond_record: list | None = None
+    """While a list (the rollout with ``cfg_uncond_grad`` off): every guided call without gradient
+    appends its unconditional velocity here (:meth:`guided_pair`)."""
+    uncond_given: torch.Tensor | None = None
+    """While set (the update, ``cfg_uncond_grad`` off, weights still the rollout's): the unconditional
+    velocity of the call's rows, used instead of running its pass (:meth:`guided_pair`)."""
 
-        ``cfg_uncond_grad`` on (the default): ``joint()``, one pass of ``2B`` rows, its unconditional
-        half through :meth:`uncond_branch`. Off: the unconditional branch is a constant of the
-        gradient (Flow-GRPO's ``compute_log_prob``), so it runs as a pass of ``B`` rows without a graph
-        (``uncond_only()``) and the conditional one as another (``cond_only()``): the same velocity
-        and gradient, but the backward covers ``B`` rows, not ``2B`` with half of them at zero (about
-        a third less work in the update: docs/benchmarks.md, the peer comparison). The rollout runs
-        the same two passes, so the update's first ratio is still exactly 1.
+    def guided_pair(self, joint, cond_only, uncond_only) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(v_cond, v_uncond)``, CFG's two branches.
+
+        Without gradient (the rollout, values, evaluation), or with ``cfg_uncond_grad`` on (the
+        default): ``joint()``, one pass of ``2B`` rows, its unconditional half through
+        :meth:`uncond_branch` (and appended to :attr:`uncond_record` while that is a list). With
+        gradient and ``cfg_uncond_grad`` off (Flow-GRPO's ``compute_log_prob``), the unconditional
+        branch is a constant of the gradient: it is :attr:`uncond_given` when the trainer hands it
+        over (the rollout's own, while the weights are still the rollout's), else a pass of ``B``
+        rows without a graph (``uncond_only()``), and the conditional branch is a pass of its own
+        (``cond_only()``). The backward then covers ``B`` rows instead of ``2B`` rows half of which
+        carry zero gradient: the same gradient for less work (docs/benchmarks.md, the peer
+        comparison); the velocity equals the joint pass's to float round-off.
         """
-        if self.cfg_uncond_grad:
+        if self.cfg_uncond_grad or not torch.is_grad_enabled():
             v_cond, v_uncond = joint()
+            if self.uncond_record is not None and not torch.is_grad_enabled():
+                self.uncond_record.append(v_uncond)
             return v_cond, self.uncond_branch(v_uncond)
+        if self.uncond_given is not None:
+            v_cond = cond_only()
+            return v_cond, self.uncond_given.to(v_cond.device, v_cond.dtype)
         with torch.no_grad():
             v_uncond = uncond_only()
         return cond_only(), v_uncond

@@ -95,6 +95,7 @@ def branch_sample(
     """A branch plan's rollout (module docstring): one trunk per group, one branch per SDE step."""
     if opts.get("keep_velocity"):
         raise ValueError("branch plans keep no velocities (their values are terminal rewards)")
+    opts = {k: v for k, v in opts.items() if k != "keep_uncond"}  # a branch's update runs both passes
     ks = torch.nonzero(plan.sde, as_tuple=True)[0].tolist()
     b, m = len(group), plan.sde.numel()
     groups = torch.unique(group)  # sorted

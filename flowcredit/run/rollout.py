@@ -12,6 +12,7 @@ is copied, not recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -105,6 +106,8 @@ class Rollout:
     """``(B, N, C, H, W)``: the velocity the rollout computed at each state (``keep_velocity``)."""
     means: torch.Tensor | None = None
     """``(B, N, C, H, W)``: the mean of each step's Gaussian transition (``keep_mean``)."""
+    uncond: torch.Tensor | None = None
+    """``(B, N, C, H, W)``: CFG's unconditional velocity at each state (``keep_uncond``)."""
 
 
 def chunked_velocity(model, x, sigma, cond, group, batch_size: int) -> torch.Tensor:
@@ -132,6 +135,7 @@ def rollout(
     rows: tuple[int, int, int] | None = None,
     keep_velocity: bool = False,
     keep_mean: bool = False,
+    keep_uncond: bool = False,
 ) -> Rollout:
     """Sample ``B`` trajectories with ``step_fn`` and per-step noise ``levels (N,)`` (0 = ODE step).
 
@@ -144,16 +148,22 @@ def rollout(
             over processes. None: ``(B, 0, B)``, the same draws.
         keep_velocity: also return the velocity of every step (one-step values reuse it).
         keep_mean: also return every step's transition mean (GRPO-Guard's ratio needs the old one).
+        keep_uncond: also return CFG's unconditional velocity of every step (``cfg_uncond_grad`` off:
+            the update's first pass reuses it, :meth:`flowcredit.models.FlowModelBase.guided_pair`).
     """
     b, n = x0.shape[0], sigmas.numel() - 1
     total, lo, hi = rows or (b, 0, b)
     if hi - lo != b:
         raise ValueError(f"rows {rows} do not match the {b} rows of x0")
-    states, logps, stds, velocities, means = [x0.float()], [], [], [], []
+    states, logps, stds, velocities, means, unconds = [x0.float()], [], [], [], [], []
     x = states[0]
     for i in range(n):
         sigma = sigmas[i].expand(b)
-        v = chunked_velocity(model, x, sigma, cond, group, batch_size)
+        if keep_uncond:
+            v, uncond = recorded_velocity(model, x, sigma, cond, group, batch_size)
+            unconds.append(uncond)
+        else:
+            v = chunked_velocity(model, x, sigma, cond, group, batch_size)
         if keep_velocity:
             velocities.append(v.float())
         noise = torch.randn((total, *x.shape[1:]), generator=generator, dtype=torch.float32)[lo:hi]
@@ -174,7 +184,37 @@ def rollout(
             means.append(step.mean.float())
     kept = torch.stack(velocities, 1) if keep_velocity else None
     kept_means = torch.stack(means, 1) if keep_mean else None
-    return Rollout(torch.stack(states, 1), torch.stack(logps, 1), torch.stack(stds, 1), kept, kept_means)
+    ro = Rollout(torch.stack(states, 1), torch.stack(logps, 1), torch.stack(stds, 1), kept, kept_means)
+    ro.uncond = torch.stack(unconds, 1) if keep_uncond and all(u is not None for u in unconds) else None
+    return ro
+
+
+@contextlib.contextmanager
+def uncond_given(model, uncond: torch.Tensor | None):
+    """Inside: ``model``'s guided calls under gradient take ``uncond`` as CFG's unconditional
+    velocity instead of running its pass (None: no effect)."""
+    if uncond is None:
+        yield
+        return
+    model.uncond_given = uncond
+    try:
+        yield
+    finally:
+        model.uncond_given = None
+
+
+def recorded_velocity(model, x, sigma, cond, group, batch_size: int):
+    """:func:`chunked_velocity` and the unconditional velocity its guided calls computed ``(b, …)``,
+    recorded through the adapter's ``uncond_record`` (None if its calls record none)."""
+    model.uncond_record = []
+    try:
+        v = chunked_velocity(model, x, sigma, cond, group, batch_size)
+        record = model.uncond_record
+    finally:
+        model.uncond_record = None
+    if sum(len(u) for u in record) != len(x):  # an adapter without guided_pair: nothing to reuse
+        return v, None
+    return v, torch.cat(record).float().to(x.device)
 
 
 def needed_states(needs: str, trained: torch.Tensor) -> torch.Tensor:

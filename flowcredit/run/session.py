@@ -112,7 +112,20 @@ class Session:
         cfg = self.cfg
         one_step = self.credit.needs == "states" and cfg.estimator == "euler" and cfg.substeps == 1
         opts = {"logp_mode": cfg.logp_mode, "batch_size": cfg.batch_size, "keep_velocity": one_step}
+        if self.reuses_uncond:
+            opts["keep_uncond"] = True
         return opts | ({"keep_mean": True} if "mean" in self.update.needs else {})
+
+    @property
+    def reuses_uncond(self) -> bool:
+        """Whether the update's first pass takes CFG's unconditional velocity from the rollout
+        (``keep_uncond``): ``cfg_uncond_grad`` off (the branch is then a constant of the gradient),
+        CFG on, an adapter with ``uncond_record`` (:class:`flowcredit.models.FlowModelBase`), the
+        PPO update, sampled with the current policy."""
+        cfg, model = self.cfg, self.model
+        on = not cfg.cfg_uncond_grad and self.guidance_passes == 2
+        on = on and hasattr(model, "uncond_record") and not self.update.forward
+        return on and self.update.samples_with != "old"
 
     @property
     def value_opts(self) -> tuple[str, torch.Tensor, str, int]:
@@ -314,11 +327,17 @@ def lora_forwards(cfg: Config, model: FlowModel, sharded: bool) -> tuple[bool, b
     once per rollout (:func:`flowcredit.run.lora_compose.sampling_copies`). ``lora_forward``:
     ``"peft"`` neither; ``"composed"`` both (the copy holds the composed forward's own weight: the
     same numbers); ``"peft+copy"`` the copy only; ``"auto"``: ``"composed"`` on an adapter that
-    asks for it (``compose_lora = True``: the built-in model), ``"peft+copy"`` on the others. Never
-    on FSDP shards (peft's forward there)."""
+    asks for it (``compose_lora = True``: the built-in model), ``"peft+copy"`` on the others when
+    they compute in float32, ``"peft"`` when they compute in bfloat16 or float16 (weights or
+    ``autocast``): a copy rounded to 16 bits moves the sampled log-probabilities by more than
+    Flow-GRPO's clip range (first ratio 1 ± 2.1e-4 in bfloat16 against ± 1.2e-7 in float32,
+    docs/benchmarks.md). Never on FSDP shards (peft's forward there)."""
     composed = lora_composed(cfg, model, sharded)
     if "lora" not in cfg.train_params or cfg.lora_forward == "peft" or sharded:
         return composed, False
+    if cfg.lora_forward == "auto" and not composed:
+        wide = getattr(model, "dtype", torch.float32) == torch.float32 and not cfg.autocast
+        return composed, wide
     return composed, True
 
 
