@@ -54,9 +54,12 @@ def test_guided_pair_geometry_by_hand():
     assert off.calls == ["joint"] and torch.equal(off.uncond_record[0], torch.full((2,), 6.0))
 
 
-def _iteration(tmp_path, name: str, reuse: bool, monkeypatch) -> tuple[dict, list, dict]:
-    """Iteration 0 of Flow-GRPO with ``cfg_uncond_grad`` off, one optimizer step per inner epoch;
-    returns its metrics, the rollout's unconditional velocities (or None) and the trained LoRA."""
+def _iteration(
+    tmp_path, name: str, reuse: bool, monkeypatch, per_update: int = 20
+) -> tuple[dict, list, dict]:
+    """Iteration 0 of Flow-GRPO with ``cfg_uncond_grad`` off, ``per_update`` trained steps per
+    optimizer step (20: all of them, one step); returns its metrics, the rollout's unconditional
+    velocities (or None) and the trained LoRA."""
     seen = []
     real = loop.ppo_update
 
@@ -67,7 +70,9 @@ def _iteration(tmp_path, name: str, reuse: bool, monkeypatch) -> tuple[dict, lis
     monkeypatch.setattr(loop, "ppo_update", spy)
     if not reuse:
         monkeypatch.setattr(Session, "reuses_uncond", property(lambda self: False))
-    s = small_session("flow_grpo", tmp_path / name, cfg_uncond_grad=False, steps_per_update=20, beta=0.0)
+    s = small_session(
+        "flow_grpo", tmp_path / name, cfg_uncond_grad=False, steps_per_update=per_update, beta=0.0
+    )
     metrics = loop.grpo_iteration(s, 0)
     monkeypatch.undo()
     return metrics, seen, s.policy.trainable_state()
@@ -90,6 +95,20 @@ def test_the_update_reuses_the_rollouts_unconditional_velocity(tmp_path, monkeyp
     step = max((lora_off[k] - s0).abs().max().item() for k, s0 in _initial(tmp_path).items())
     assert step > 0 and moved <= 1e-4 * step + 1e-8
     assert got["stats/first_ratio_maxdev"] < 1e-5
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_after_the_first_optimizer_step_the_update_runs_the_unconditional_pass(tmp_path, monkeypatch):
+    """One trained step per optimizer step: only the first step's rows reuse the rollout's velocity
+    (the weights have moved after it), so ``nfe/train`` drops by those 12 rows' passes only, and the
+    LoRA ends where the run without reuse ends, to float round-off."""
+    got, _, lora = _iteration(tmp_path, "reuse", True, monkeypatch, per_update=1)
+    want, _, lora_off = _iteration(tmp_path, "off", False, monkeypatch, per_update=1)
+    steps = want["stats/optimizer_steps"]  # the trained steps, one optimizer step each
+    assert got["stats/optimizer_steps"] == steps >= 2
+    assert want["nfe/train"] == 12 * steps * 2 and got["nfe/train"] == want["nfe/train"] - 12
+    step = max((lora_off[k] - s0).abs().max().item() for k, s0 in _initial(tmp_path).items())
+    assert max((lora[k] - lora_off[k]).abs().max().item() for k in lora) <= 1e-4 * step + 1e-8
 
 
 def _initial(tmp_path) -> dict:

@@ -296,4 +296,17 @@ MUTANTS = [
         ("tests/test_policy.py::test_cfg_uncond_grad_detaches_the_unconditional_branch",),
         "cfg_uncond_grad off: the separate unconditional pass keeps its graph (gradient through it)",
     ),
+    Mutant(
+        "uncond_reused_after_a_step", "lora", TRAIN,
+        "uncond = sam.ro.uncond[r, i] if sam.ro.uncond is not None and not stats.updates else None",
+        "uncond = sam.ro.uncond[r, i] if sam.ro.uncond is not None else None",
+        ("tests/test_uncond_reuse.py",),
+        "the update reuses the rollout's unconditional velocity after the weights moved",
+    ),
+    Mutant(
+        "uncond_given_ignored", "lora", "flowcredit/models/protocol.py",
+        "        if self.uncond_given is not None:\n            v_cond = cond_only()",
+        "        if False:\n            v_cond = cond_only()",
+        ("tests/test_uncond_reuse.py",), "the rollout's unconditional velocity is handed over but not used",
+    ),
 ]  # fmt: skip

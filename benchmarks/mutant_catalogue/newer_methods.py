@@ -45,8 +45,8 @@ MUTANTS = [
     ),
     Mutant(
         "step_weight_not_applied", "loop", TRAIN,
-        "out = step_loss(s, plan, levels, sam, adv, prompts, cond, r, i, weight, float(weights[i]))",
-        "out = step_loss(s, plan, levels, sam, adv, prompts, cond, r, i, weight, 1.0)",
+        "s, plan, levels, sam, adv, prompts, cond, r, i, weight, float(weights[i]), uncond",
+        "s, plan, levels, sam, adv, prompts, cond, r, i, weight, 1.0, uncond",
         (WEIGHTED,), "the per-step loss weight (TempFlow's std) never reaches the loss",
     ),
     Mutant(
