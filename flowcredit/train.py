@@ -182,7 +182,7 @@ def ppo_update(s: Session, plan, levels, sam, adv, prompts, keep, gen) -> dict:
     out = stats.means()
     out["train_rows"] = sum(len(r) for r in rows_at.values()) * (2 if cfg.beta else 1)
     out["uncond_reused"] = reused
-    if stats.first is not None:  # before any optimizer step: exactly 1 (same model, same geometry)
+    if stats.first is not None:  # before any optimizer step: 1 (exactly at the defaults; docs/training.md)
         out["stats/first_ratio_maxdev"] = stats.first["stats/ratio_maxdev"]
     return out | param_spread(s)
 
