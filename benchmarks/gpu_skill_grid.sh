@@ -1,52 +1,90 @@
 #!/usr/bin/env bash
-# Issue 27 on one CUDA GPU (the tiny model on CUDA, many runs at once), as one prepared script:
-#   bash benchmarks/gpu_skill_grid.sh [SKILL_SEEDS] [JOBS]
-# 1. a smoke run (one quick skill iteration on CUDA) that stops the script if the device path is broken;
-# 2. the pre-registered confirmation of the demo-task finding (docs/benchmarks.md, "The powered
-#    comparison"): TP-GRPO vs Flow-GRPO, both with Flow-GRPO's KL (β 0.04, kl_mode flow_grpo), the
-#    compare task, NEW seeds 16–31; the bench's paired row tp_grpo − flow_grpo is the confirmation;
-# 3. the skill comparison (flowcredit bench --task skill): the preset and its six arms over
-#    SKILL_SEEDS (default 10..17), each finished run evaluated on the held-out prompts (86 × 16 × noise
-#    seeds 7001/7002, on CUDA like the base checkpoint) and published as small JSON into
-#    $OUT/skill/runs (GPU runs: never mix them with the CPU runs of benchmarks/results/skill_compare;
-#    put them in benchmarks/results/skill_compare_gpu).
-# Every 20 s the small files go to $OUT/runs.tgz, so a run cut off by the time limit still returns what
-# finished. Prepared on 2026-12-02 without a GPU: bash -n checked, never run.
+# The skill comparison on one CUDA GPU (the tiny model on CUDA, many runs at once), as one prepared
+# script that fits one device call and resumes across calls:
+#   bash benchmarks/gpu_skill_grid.sh [SKILL_SEEDS] [JOBS] [ARMS]
+# 1. (CONFIRM=1, the default) the pre-registered confirmation of the demo-task finding
+#    (docs/benchmarks.md, "The powered comparison"): TP-GRPO vs Flow-GRPO, both with Flow-GRPO's KL
+#    (β 0.04, kl_mode flow_grpo), the compare task, NEW seeds 16–31, at most CONFIRM_S seconds;
+# 2. the skill comparison (flowcredit bench --task skill): the preset and ARMS over SKILL_SEEDS, each
+#    finished run evaluated on the held-out prompts (86 × 16 × noise seeds 7001/7002, on CUDA like the
+#    base checkpoint) and published as small JSON into runs/skill-gpu-results/runs. GPU runs: never mix them with
+#    the CPU runs of benchmarks/results/skill_compare; they go to benchmarks/results/skill_compare_gpu.
+# At DEADLINE_S seconds after the start the unfinished runs are stopped and their resumable state
+# (benchmarks/skill_grid_park.py) comes back as $OUT/inflight.tgz.aa (.ab, …: cat them, untar, commit the folder as
+# benchmarks/results/skill_compare_gpu/inflight/) and the next call resumes them from there.
+# Every 20 s the small files (published JSON, tables, logs, metrics) go to $OUT/runs.tgz, so a call cut off by its time limit still returns
+# what finished. A dry run on the CPU:
+#   DEVICE=cpu QUICK=1 CONFIRM_SEEDS=0 PY=.venv/bin/python bash benchmarks/gpu_skill_grid.sh 0 2 nft_quarter,grpo_guard
 set -o pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-/tmp/out}
-SKILL_SEEDS=${1:-10,11,12,13,14,15,16,17}
+SKILL_SEEDS=${1:-10,11}
 JOBS=${2:-16}
-mkdir -p "$OUT/skill/runs"
+ARMS=${3:-mixgrpo,tempflow,egrpo,grpo_guard,nft_quarter,awm_quarter}
+DEADLINE_S=${DEADLINE_S:-555}
+CONFIRM=${CONFIRM:-1}
+CONFIRM_S=${CONFIRM_S:-200}
+CONFIRM_SEEDS=${CONFIRM_SEEDS:-16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31}
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+QUICK_FLAG=()
+[ -n "${QUICK:-}" ] && QUICK_FLAG=(--quick)
+read -r -a SKILL_EXTRA <<<"${SKILL_EXTRA:-}"  # more flags for the skill bench (a dry run: --iterations 20)
+PARKED=benchmarks/results/skill_compare_gpu/inflight
+RESULTS=runs/skill-gpu-results
+mkdir -p "$OUT" "$RESULTS/runs" runs/skill-gpu/runs
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
-GPU=(--device cuda --threads 1 --jobs "$JOBS")
+DEV=(--device "$DEVICE" --threads 1 --jobs "$JOBS" "${QUICK_FLAG[@]}")
 
 pack() { # the small files of every run (no checkpoints, no images, no exported weights)
     tar czf "$OUT/runs.tgz.tmp" --exclude='checkpoint*' --exclude='*.png' --exclude='tb' --exclude='final' \
-        runs/confirm-gpu runs/skill-gpu 2>/dev/null
+        runs/confirm-gpu runs/skill-gpu "$RESULTS" 2>/dev/null
     mv "$OUT/runs.tgz.tmp" "$OUT/runs.tgz"
 }
 ( while true; do sleep 20; pack; done ) &
 PACKER=$!
 
-echo "gpu_skill_grid: $(date -u) skill seeds $SKILL_SEEDS, $JOBS jobs"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
-timeout 300 python3 -m flowcredit bench --task skill --presets skill --quick --seeds 0 --iterations 1 \
-    --device cuda --threads 1 --out runs/smoke-skill || { echo "SMOKE FAILED"; kill $PACKER; exit 1; }
+until_deadline() { # until_deadline SECONDS CMD...: run CMD, stopping its runs (SIGINT, then kill) after SECONDS
+    local limit=$(($1 + SECONDS))
+    shift
+    "$@" &
+    local pid=$!
+    while kill -0 "$pid" 2>/dev/null && [ "$SECONDS" -lt "$limit" ]; do sleep 2; done
+    if kill -0 "$pid" 2>/dev/null; then
+        echo "===== stopping the unfinished runs at $SECONDS s"
+        pkill -INT -f "flowcredit (train|eval)"
+        sleep 10
+        pkill -f "flowcredit (train|eval)"
+        kill "$pid" 2>/dev/null
+    fi
+    wait "$pid"
+}
+
+echo "gpu_skill_grid: $(date -u) skill seeds $SKILL_SEEDS, arms $ARMS, $JOBS jobs, deadline $DEADLINE_S s"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+if [ -d "$PARKED" ]; then "$PY" benchmarks/skill_grid_park.py restore runs/skill-gpu/runs "$PARKED"; fi
+
+if [ "$CONFIRM" = 1 ]; then
+    t0=$SECONDS
+    until_deadline "$CONFIRM_S" "$PY" -m flowcredit bench --task compare --presets flow_grpo,tp_grpo --no_cheap \
+        --seeds "$CONFIRM_SEEDS" "${DEV[@]}" --beta 0.04 --kl_mode flow_grpo --out runs/confirm-gpu 2>&1 |
+        grep -v ": done in"
+    echo "===== confirmation: exit $? after $((SECONDS - t0)) s"
+    pack
+fi
 
 t0=$SECONDS
-python3 -m flowcredit bench --task compare --presets flow_grpo,tp_grpo --no_cheap \
-    --seeds 16,17,18,19,20,21,22,23,24,25,26,27,28,29,30,31 "${GPU[@]}" \
-    --beta 0.04 --kl_mode flow_grpo --out runs/confirm-gpu 2>&1 | grep -v ": done in"
-echo "===== confirmation: exit $? after $((SECONDS - t0)) s"
-pack
-
-t0=$SECONDS
-python3 -m flowcredit bench --task skill --presets skill --ablations tp,tp_equal_nfe,dense_euler1,stepwise,stepwise_cps,dense \
-    --seeds "$SKILL_SEEDS" "${GPU[@]}" --out runs/skill-gpu --publish "$OUT/skill/runs" 2>&1 | grep -v ": done in"
+until_deadline $((DEADLINE_S - SECONDS)) "$PY" -m flowcredit bench --task skill --presets skill --ablations "$ARMS" \
+    --seeds "$SKILL_SEEDS" "${DEV[@]}" "${SKILL_EXTRA[@]}" --out runs/skill-gpu --publish "$RESULTS/runs" 2>&1 | grep -v ": done in"
 echo "===== skill grid: exit $? after $((SECONDS - t0)) s"
-python3 benchmarks/skill_grid_report.py "$OUT/skill" 2>&1 | tail -40  # results.json, table.md
 kill $PACKER
+mkdir -p "$OUT/inflight"
+"$PY" benchmarks/skill_grid_park.py park runs/skill-gpu/runs "$OUT/inflight"
+tar czf - -C "$OUT" inflight | split -b 15m - "$OUT/inflight.tgz." && rm -rf "$OUT/inflight"  # 16 MiB a file
+for log in runs/skill-gpu/runs/*.log; do  # each run's last progress line: iterations reached, s/it
+    [ -f "$log" ] && echo "$(basename "$log"): $(tr '\r' '\n' <"$log" | grep -a 'it/s\|s/it' | tail -1 | cut -c1-110)"
+done
+"$PY" benchmarks/skill_grid_report.py "$RESULTS" 2>&1 | tail -30
 pack
 ls -la "$OUT"
