@@ -45,7 +45,9 @@ def progress(out: Path) -> list[str]:
     ]
 
 
-def table(rep: dict) -> str:
+def table(rep: dict, gpu: bool = False) -> str:
+    """The markdown report; ``gpu``: the runs shared one GPU, so their minutes are wall minutes."""
+    minutes = "GPU wall-minutes" if gpu else "CPU-minutes"
     lines = ["# The skill comparison (held-out, 86 prompts × 16 samples × noise seeds 7001, 7002)", ""]
     base = rep["base"]
     lines += [
@@ -74,9 +76,7 @@ def table(rep: dict) -> str:
         v = p["verdict"]
         lines.append(f"| {arm} | {len(p['seeds'])} | {v['strict/overall']} | {v['strict/per_image']} |")
     lines += ["", "## Cost per run (mean over seeds)", ""]
-    lines += [
-        "| arm | n | network calls per iteration | training calls | ψ calibration calls | CPU-minutes |"
-    ]
+    lines += [f"| arm | n | network calls per iteration | training calls | ψ calibration calls | {minutes} |"]
     lines += ["|---|---|---|---|---|---|"]
     for arm, c in rep.get("cost", {}).items():
         lines.append(
@@ -85,7 +85,9 @@ def table(rep: dict) -> str:
         )
     lines += [
         "",
-        "CPU-minutes: wall minutes × threads on the machine that ran it, with whatever else ran beside",
+        "GPU wall-minutes: of runs that shared one GPU and its CPU cores (several at a time)"
+        if gpu
+        else "CPU-minutes: wall minutes × threads on the machine that ran it, with whatever else ran beside",
     ]
     lines += ["it: network calls are the cost axis; minutes are indicative only."]
     lines += ["", "## Claims", "", "| claim | arm | n | verdict |", "|---|---|---|---|"]
@@ -253,7 +255,8 @@ def main() -> None:
     rep = skill_report(records, categories)
     rep["cost"] = arm_costs(records)
     (out / "results.json").write_text(json.dumps(rep, indent=1) + "\n")
-    (out / "table.md").write_text(table(rep) + "\n" + "\n".join(progress(out)))
+    gpu = any(str(r.get("config", {}).get("device", "")).startswith("cuda") for r in records.values())
+    (out / "table.md").write_text(table(rep, gpu) + "\n" + "\n".join(progress(out)))
     figure(rep, out / "compare.png")
     curves(records, out / "curves.png")
     heldout_vs_nfe(rep, records, out / "heldout_vs_nfe.png")

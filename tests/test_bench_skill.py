@@ -300,3 +300,22 @@ def test_run_cost_counts_training_and_calibration_calls_by_hand():
     assert cost["calibration_nfe"] == 11 * 4 * 12 * 10
     assert cost["train_nfe"] == 3840 and cost["nfe_per_iteration"] == 1920
     assert cost["cpu_minutes"] == 30.0 * cfg.threads
+    assert run_cost({**record, "train_minutes": 45.0})["cpu_minutes"] == 45.0 * cfg.threads
+
+
+def test_a_published_run_counts_the_minutes_of_every_iteration_across_resumes(tmp_path):
+    """A run resumed at iteration 2 logged iteration 2 twice (60 s, then 30 s); the summary's 0.5
+    minutes count only the process that finished it: 10 + 30 + 20 s = 1 minute."""
+    import json
+
+    from flowcredit.commands.bench_skill import publish
+
+    run = tmp_path / "skill-seed10"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"seed": 10}))
+    (run / "summary.json").write_text(json.dumps({"minutes": 0.5, "iterations": 3}))
+    times = [(1, 10.0), (2, 60.0), (2, 30.0), (3, 20.0)]
+    lines = [json.dumps({"iteration": i, "time/iteration_s": t}) + "\n" for i, t in times]
+    (run / "timings.jsonl").write_text("".join(lines))
+    record = json.loads(publish(run, tmp_path / "pub").read_text())
+    assert record["train_minutes"] == 1.0

@@ -224,6 +224,18 @@ def training_curve(rows: list[dict]) -> dict[str, list[float]]:
     return {"iteration": iterations, "reward": rewards, "nfe": nfe}
 
 
+def training_minutes(timings: Path) -> float:
+    """Minutes of training summed over the iterations of ``timings.jsonl`` (the last time logged for an
+    iteration counts, as a resume may log one twice): a resumed run's whole cost, without its
+    evaluations and set-up. ``summary.json``'s minutes count only the process that finished the run."""
+    seconds = {}
+    for line in timings.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            seconds[row["iteration"]] = row["time/iteration_s"]
+    return sum(seconds.values()) / 60
+
+
 def relative_paths(value, root: Path):
     """``value`` (JSON) with every string that names a path under ``root`` made relative to it (a
     published run is read on other machines: ``/x/runs/skill-seed11/final`` → ``skill-seed11/final``)."""
@@ -253,6 +265,8 @@ def publish(run_dir: Path, dest: Path) -> Path:
             record[name] = json.loads((run_dir / path).read_text())
     if rows := read_metrics(run_dir):
         record["curve"] = training_curve(rows)
+    if (run_dir / "timings.jsonl").is_file():  # every iteration's time, resumed parts included
+        record["train_minutes"] = training_minutes(run_dir / "timings.jsonl")
     calibrated = run_dir / "calibration.json"  # ψ's calibration: its rounds are part of the run's cost
     shared = not calibrated.is_file() and record.get("config", {}).get("psi_path")
     if shared:  # the bench calibrates ψ once for the cells that would calibrate alike (bench.shared_psi)
@@ -326,7 +340,9 @@ def run_cost(record: dict) -> dict[str, float]:
     """One published run's cost: ``train_nfe`` (rollout + values + update calls logged over its
     iterations), ``calibration_nfe`` (ψ's calibration rounds × ``calib_groups`` × ``group_size``
     trajectories × their rollout + value calls, from the config), ``nfe_per_iteration`` and
-    ``cpu_minutes`` (wall minutes × threads; inflated when other work shared the CPU)."""
+    ``cpu_minutes`` (training minutes × threads, from ``train_minutes`` where the record has it, else
+    the summary's minutes, which miss the parts before a resume; inflated when other work shared the
+    CPU)."""
     cfg = Config(
         **{k: v for k, v in record["config"].items() if k in {f.name for f in dataclasses.fields(Config)}}
     )
@@ -336,7 +352,7 @@ def run_cost(record: dict) -> dict[str, float]:
     parts = nfe_parts(cfg)
     calibration = rounds * cfg.calib_groups * cfg.group_size * (parts["rollout"] + parts["values"])
     iterations = len(curve.get("nfe", ())) or float("nan")
-    minutes = record.get("summary", {}).get("minutes", float("nan"))
+    minutes = record.get("train_minutes", record.get("summary", {}).get("minutes", float("nan")))
     return {
         "train_nfe": train,
         "calibration_nfe": float(calibration),
