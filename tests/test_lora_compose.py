@@ -7,8 +7,7 @@ from torch import nn
 
 from flowcredit.config import Config
 from flowcredit.errors import ConfigError
-from flowcredit.run.lora_compose import compose_lora, composed_weight
-from flowcredit.run.session import lora_composed
+from flowcredit.run.lora_compose import compose_lora, composed_weight, lora_composed
 
 
 def test_composed_weight_by_hand():

@@ -15,8 +15,13 @@ from test_lora_compose import _lora_net
 import flowcredit.run.session as session_module
 from flowcredit.config import Config
 from flowcredit.presets import PRESETS
-from flowcredit.run.lora_compose import compose_lora, composed_forward, lora_layers, sampling_copies
-from flowcredit.run.session import lora_forwards
+from flowcredit.run.lora_compose import (
+    compose_lora,
+    composed_forward,
+    lora_forwards,
+    lora_layers,
+    sampling_copies,
+)
 from flowcredit.validation import validate
 
 

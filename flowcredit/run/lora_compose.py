@@ -20,12 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import types
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flowcredit.errors import ConfigError
 from flowcredit.run.sharding import is_sharded
+
+if TYPE_CHECKING:
+    from flowcredit.config import Config
+    from flowcredit.models import FlowModel
 
 
 def composed_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float):
@@ -115,3 +121,34 @@ def sampling_copies(net: nn.Module):
                 del layer.forward  # peft's class forward again
             else:
                 layer.forward = forward
+
+
+def lora_forwards(cfg: Config, model: FlowModel, sharded: bool) -> tuple[bool, bool]:
+    """``(composed, sampling_copies)``: whether the LoRA layers run composed under gradient
+    (:func:`lora_composed`), and whether the rollout runs them on a copy of ``W + s·B·A`` computed
+    once per rollout (:func:`flowcredit.run.lora_compose.sampling_copies`). ``lora_forward``:
+    ``"peft"`` neither; ``"composed"`` both (the copy holds the composed forward's own weight: the
+    same numbers); ``"peft+copy"`` the copy only; ``"auto"``: ``"composed"`` on an adapter that
+    asks for it (``compose_lora = True``: the built-in model), ``"peft+copy"`` on the others when
+    they compute in float32, ``"peft"`` when they compute in bfloat16 or float16 (weights or
+    ``autocast``): a copy rounded to 16 bits moves the sampled log-probabilities by more than
+    Flow-GRPO's clip range (first ratio 1 ± 2.1e-4 in bfloat16 against ± 1.2e-7 in float32,
+    docs/benchmarks.md). Never on FSDP shards (peft's forward there)."""
+    composed = lora_composed(cfg, model, sharded)
+    if "lora" not in cfg.train_params or cfg.lora_forward == "peft" or sharded:
+        return composed, False
+    if cfg.lora_forward == "auto" and not composed:
+        wide = getattr(model, "dtype", torch.float32) == torch.float32 and not cfg.autocast
+        return composed, wide
+    return composed, True
+
+
+def lora_composed(cfg: Config, model: FlowModel, sharded: bool) -> bool:
+    """Whether the LoRA layers run composed (:mod:`flowcredit.run.lora_compose`): ``lora_forward``
+    ``"composed"``, or ``"auto"`` on an adapter that asks for it (``compose_lora = True``: the built-in
+    model); never on FSDP shards."""
+    if "lora" not in cfg.train_params or cfg.lora_forward in ("peft", "peft+copy"):
+        return False
+    if cfg.lora_forward == "composed" and sharded:
+        raise ConfigError("lora_forward", "'composed' cannot run on FSDP shards: use 'peft' or 'auto'")
+    return not sharded and (cfg.lora_forward == "composed" or getattr(model, "compose_lora", False))

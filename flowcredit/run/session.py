@@ -25,7 +25,7 @@ from flowcredit.models.registry import apply_text_length
 from flowcredit.rewards import Reward, check_metadata, get_reward, parse_mix, uses_shapeeval
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from flowcredit.run.distributed import Dist
-from flowcredit.run.lora_compose import compose_lora, sampling_copies
+from flowcredit.run.lora_compose import compose_lora, lora_forwards, sampling_copies
 from flowcredit.run.policy import EMA, Policy
 from flowcredit.run.rollout import Batch, draw_batch, noise_levels
 from flowcredit.run.sharding import full_dict, full_optimizer_state, shard_like, shard_optimizer_state
@@ -319,37 +319,6 @@ def build_reward(cfg: Config, spec: str, named_only: bool = False) -> Reward:
     if named_only:
         options = {k: v for k, v in options.items() if k in parse_mix(spec)}
     return get_reward(spec, options or None, cfg.reward_frame_stride)
-
-
-def lora_forwards(cfg: Config, model: FlowModel, sharded: bool) -> tuple[bool, bool]:
-    """``(composed, sampling_copies)``: whether the LoRA layers run composed under gradient
-    (:func:`lora_composed`), and whether the rollout runs them on a copy of ``W + s·B·A`` computed
-    once per rollout (:func:`flowcredit.run.lora_compose.sampling_copies`). ``lora_forward``:
-    ``"peft"`` neither; ``"composed"`` both (the copy holds the composed forward's own weight: the
-    same numbers); ``"peft+copy"`` the copy only; ``"auto"``: ``"composed"`` on an adapter that
-    asks for it (``compose_lora = True``: the built-in model), ``"peft+copy"`` on the others when
-    they compute in float32, ``"peft"`` when they compute in bfloat16 or float16 (weights or
-    ``autocast``): a copy rounded to 16 bits moves the sampled log-probabilities by more than
-    Flow-GRPO's clip range (first ratio 1 ± 2.1e-4 in bfloat16 against ± 1.2e-7 in float32,
-    docs/benchmarks.md). Never on FSDP shards (peft's forward there)."""
-    composed = lora_composed(cfg, model, sharded)
-    if "lora" not in cfg.train_params or cfg.lora_forward == "peft" or sharded:
-        return composed, False
-    if cfg.lora_forward == "auto" and not composed:
-        wide = getattr(model, "dtype", torch.float32) == torch.float32 and not cfg.autocast
-        return composed, wide
-    return composed, True
-
-
-def lora_composed(cfg: Config, model: FlowModel, sharded: bool) -> bool:
-    """Whether the LoRA layers run composed (:mod:`flowcredit.run.lora_compose`): ``lora_forward``
-    ``"composed"``, or ``"auto"`` on an adapter that asks for it (``compose_lora = True``: the built-in
-    model); never on FSDP shards."""
-    if "lora" not in cfg.train_params or cfg.lora_forward in ("peft", "peft+copy"):
-        return False
-    if cfg.lora_forward == "composed" and sharded:
-        raise ConfigError("lora_forward", "'composed' cannot run on FSDP shards: use 'peft' or 'auto'")
-    return not sharded and (cfg.lora_forward == "composed" or getattr(model, "compose_lora", False))
 
 
 def configure_network(cfg: Config, model: FlowModel) -> None:
