@@ -73,7 +73,7 @@ main() {
     step nvidia-smi nvidia-smi
     step versions versions
     step adapter-tests timeout 240 python3 -m pytest -q -x -rs --durations=10 -p no:cacheprovider \
-        tests/test_adapters_diffusers.py
+        tests/test_adapters_diffusers.py tests/test_adapters_diffusers_text.py
     step throughput timeout 300 python3 benchmarks/gpu_throughput.py --json "$OUT/gpu_throughput.json"
     echo -e "\n===== summary (exit codes; 124 = timed out): ${SUMMARY[*]}"
     local worst=0 item
