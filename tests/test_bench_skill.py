@@ -47,6 +47,21 @@ def test_the_arms_are_the_preset_with_one_change():
     assert changed == {"credit"}
 
 
+def test_the_diagnostic_arms_split_dense_euler1_into_its_credit_rule_and_its_sampler():
+    """``dense_euler1`` = DenseGRPO credit + Dance-SDE with ψ calibrated; ``dense_euler1_cps`` changes
+    only the credit fields, ``dance_psi`` only the sampler fields, and together they are ``dense_euler1``."""
+    base = load_config("skill")
+
+    def changed(arm):
+        cfg = load_config("skill", None, SKILL_ARMS[arm])
+        return {k: v for k, v in vars(cfg).items() if getattr(base, k) != v}
+
+    credit, sampler = changed("dense_euler1_cps"), changed("dance_psi")
+    assert credit == {"credit": "dense", "estimator": "euler", "substeps": 1}
+    assert sampler == {"sampler": "dance_sde", "calibrate": True}
+    assert changed("dense_euler1") == {**credit, **sampler}
+
+
 def test_every_arm_is_a_valid_config_of_the_preset():
     """Each arm's overrides pass validation on the ``skill`` preset (a grid must not stop at an arm
     hours in), and the iterations of an equal-NFE arm give it the preset's network calls ±1 iteration."""

@@ -149,6 +149,8 @@ SKILL_ARMS = {
     "tp": TP,
     "tp_equal_nfe": lambda cfg: _equal_nfe(cfg, TP),
     "dense_euler1": [*DENSE, "--estimator", "euler", "--substeps", "1"],
+    "dense_euler1_cps": ["--credit", "dense", "--estimator", "euler", "--substeps", "1"],
+    "dance_psi": ["--sampler", "dance_sde", "--calibrate", "true"],
     "stepwise": [*STEPWISE, "--sampler", "ddim_sde", "--window_start", "1", "--window_size", "4"],
     "stepwise_cps": STEPWISE,
     "dense": DENSE,
@@ -165,7 +167,9 @@ frozen base, then dense gains) with one-step values from the rollout's own veloc
 (``dense_euler1``) and with ODE-completed values (``dense``); Stepwise-Flow-GRPO with its own DDIM-like
 SDE (a = 0.7; its first step, from σ = 1, has std 0, so its window is steps 1–4), euler(5) values and
 the joint normalisation that keeps the gains' signs (``stepwise``), and the same credit on the
-preset's CPS (``stepwise_cps``: isolates the credit rule).
+preset's CPS (``stepwise_cps``: isolates the credit rule). ``dense_euler1`` changes two things, so two
+diagnostic arms split it: its credit rule on the preset's CPS (``dense_euler1_cps``) and its sampler
+(Dance-SDE with ψ calibrated, the same ψ) under Flow-GRPO's credit (``dance_psi``).
 Every other field is the preset's (SDE window: steps 0–4).
 
 The newer methods (docs/benchmarks.md, "The newer methods' claims"), each at the preset's network calls
