@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The CPU skill grid in the background, from a pinned worktree, so that editing this checkout never
+# changes the code a run is halfway through (docs/benchmarks.md, "The skill comparison"):
+#   bash benchmarks/skill_grid_bg.sh start [WORKTREE]   # worktree at HEAD (made if missing), parked runs
+#                                                       # restored, the grid and a park loop started
+#   bash benchmarks/skill_grid_bg.sh pause | cont       # SIGSTOP / SIGCONT (around a test suite)
+#   bash benchmarks/skill_grid_bg.sh status             # the current run's last progress line
+#   bash benchmarks/skill_grid_bg.sh stop               # end the grid, park its unfinished runs
+# Finished runs are published into this checkout's benchmarks/results/skill_compare/runs and unfinished
+# ones parked into .../inflight every 20 minutes: commit both before the machine stops. The grid runs
+# in a process group of its own (WORKTREE/grid.pgid), which pause, cont and stop signal.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MAIN=$PWD
+WORKTREE=${2:-${SKILL_GRID_WORKTREE:-/work/grid}}
+RESULTS=${SKILL_GRID_RESULTS:-$MAIN/benchmarks/results/skill_compare}
+PY=$MAIN/.venv/bin/python
+
+park() {
+    (cd "$WORKTREE" && PYTHONPATH=$WORKTREE nice -n 10 "$PY" benchmarks/skill_grid_park.py park \
+        runs/skill_compare/runs "$RESULTS/inflight")
+}
+
+group() { # group SIGNAL: the grid's whole process group, if it runs
+    local pgid
+    pgid=$(cat "$WORKTREE/grid.pgid" 2>/dev/null) || return 0
+    kill -"$1" -- "-$pgid" 2>/dev/null || true
+}
+
+case "${1:-status}" in
+start)
+    if [ -f "$WORKTREE/grid.pgid" ] && kill -0 -- "-$(cat "$WORKTREE/grid.pgid")" 2>/dev/null; then
+        echo "the grid runs already (process group $(cat "$WORKTREE/grid.pgid"))"
+        exit 1
+    fi
+    [ -d "$WORKTREE" ] || git worktree add --detach "$WORKTREE" HEAD
+    echo "grid code: $(git -C "$WORKTREE" log --oneline -1)"
+    mkdir -p "$WORKTREE/runs/skill_compare/runs"
+    (cd "$WORKTREE" && PYTHONPATH=$WORKTREE "$PY" benchmarks/skill_grid_park.py restore \
+        runs/skill_compare/runs "$RESULTS/inflight")
+    if [ -f "$WORKTREE/grid.log" ]; then mv "$WORKTREE/grid.log" "$WORKTREE/grid.prev.log"; fi
+    setsid nohup bash "$0" run "$WORKTREE" >/dev/null 2>&1 &
+    echo "started; log: $WORKTREE/grid.log"
+    ;;
+run) # the process group's leader: the park loop beside the grid, one last park after it
+    echo $$ >"$WORKTREE/grid.pgid"
+    (while sleep 1200; do park >>"$WORKTREE/park.log" 2>&1 || true; done) &
+    (cd "$WORKTREE" && PY=$PY PYTHONPATH=$WORKTREE nice -n 5 bash benchmarks/skill_grid.sh "$RESULTS/runs" \
+        >grid.log 2>&1) || true
+    park >>"$WORKTREE/park.log" 2>&1 || true
+    kill %1 2>/dev/null || true
+    ;;
+pause) group STOP ;;
+cont) group CONT ;;
+status) tr '\r' '\n' <"$WORKTREE/grid.log" | grep -a "bench:\|it/s\|s/it" | tail -2 ;;
+stop)
+    group CONT
+    group TERM
+    sleep 3
+    park
+    echo "stopped; commit benchmarks/results/skill_compare (runs/ and inflight/)"
+    ;;
+*)
+    sed -n 2,11p "$0"
+    exit 2
+    ;;
+esac
