@@ -292,10 +292,9 @@ def _finished(run_dir: Path, cfg: Config) -> bool:
 
 def read_run(run_dir: Path) -> dict:
     """Evaluation points of one run with cumulative seconds and NFE, plus its per-iteration costs."""
-    from flowcredit.run.runlog import read_metrics
+    from flowcredit.run.runlog import read_iteration_seconds, read_metrics
 
-    lines = (run_dir / "timings.jsonl").read_text().splitlines()
-    secs = {json.loads(x)["iteration"]: json.loads(x)["time/iteration_s"] for x in lines if x.strip()}
+    secs = read_iteration_seconds(run_dir)
     seconds, nfe, points, costs, floor, train_floor = 0.0, 0, [], [], math.nan, math.nan
     categories = {"start": {}, "final": {}}
     for m in read_metrics(run_dir):

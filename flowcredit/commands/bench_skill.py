@@ -228,16 +228,13 @@ def training_curve(rows: list[dict]) -> dict[str, list[float]]:
     return {"iteration": iterations, "reward": rewards, "nfe": nfe}
 
 
-def training_minutes(timings: Path) -> float:
+def training_minutes(run_dir: Path) -> float:
     """Minutes of training summed over the iterations of ``timings.jsonl`` (the last time logged for an
     iteration counts, as a resume may log one twice): a resumed run's whole cost, without its
     evaluations and set-up. ``summary.json``'s minutes count only the process that finished the run."""
-    seconds = {}
-    for line in timings.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            seconds[row["iteration"]] = row["time/iteration_s"]
-    return sum(seconds.values()) / 60
+    from flowcredit.run.runlog import read_iteration_seconds
+
+    return sum(read_iteration_seconds(run_dir).values()) / 60
 
 
 def relative_paths(value, root: Path):
@@ -270,7 +267,7 @@ def publish(run_dir: Path, dest: Path) -> Path:
     if rows := read_metrics(run_dir):
         record["curve"] = training_curve(rows)
     if (run_dir / "timings.jsonl").is_file():  # every iteration's time, resumed parts included
-        record["train_minutes"] = training_minutes(run_dir / "timings.jsonl")
+        record["train_minutes"] = training_minutes(run_dir)
     calibrated = run_dir / "calibration.json"  # ψ's calibration: its rounds are part of the run's cost
     shared = not calibrated.is_file() and record.get("config", {}).get("psi_path")
     if shared:  # the bench calibrates ψ once for the cells that would calibrate alike (bench.shared_psi)

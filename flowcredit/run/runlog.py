@@ -109,6 +109,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
+def read_iteration_seconds(run_dir: Path) -> dict[int, float]:
+    """``timings.jsonl`` as ``{iteration: seconds}`` (the last time logged for an iteration counts: a
+    resume may log one twice)."""
+    lines = (Path(run_dir) / "timings.jsonl").read_text().splitlines()
+    rows = [json.loads(ln) for ln in lines if ln.strip()]
+    return {row["iteration"]: row["time/iteration_s"] for row in rows}
+
+
 def plot_curves(run_dir: Path) -> Path:
     """``reward_curve.png``: training reward per iteration and evaluation scores."""
     import matplotlib
