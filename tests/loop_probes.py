@@ -4,10 +4,13 @@ session of any preset with a hand-made reward, a spy that records what one real 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import flowcredit.train as loop
 from flowcredit.config import Config, from_dict
+from flowcredit.models.tiny import TinyFlowModel, load_builtin
 from flowcredit.presets import PRESETS
 from flowcredit.run.session import Session, build_session
 from flowcredit.validation import validate
@@ -27,6 +30,16 @@ SMALL_RUN = dict(
 """The test-size run of the built-in task (2 iterations of 2 groups of 6, 5 steps)."""
 
 SMALL = {**SMALL_RUN, "log_with": "none", "reward": "reward_fixtures:brightness"}
+
+
+def small_model(directory) -> str:
+    """Write a randomly initialised tiny model a sixteenth of the built-in one's cost (16×16 images,
+    16 base channels, two U-Net levels; the built-in vocabulary) to ``directory``; returns the path
+    for ``checkpoint``. For tests whose claim does not depend on the weights (exact resume)."""
+    builtin = load_builtin()
+    config = dataclasses.replace(builtin.config, size=16, channels=16, mults=(1, 2))
+    TinyFlowModel(config, seed=0).save(directory)
+    return str(directory)
 
 
 def small_config(preset: str, run_dir, **extra) -> Config:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from kill_points import POINTS, Killed, install
-from loop_probes import small_config
+from loop_probes import small_config, small_model
 from safetensors.torch import load_file
 
 from flowcredit.presets import NEWER_PRESETS, PRESETS
@@ -44,8 +44,15 @@ EXTRA = {
 }
 
 
-def resume_config(preset: str, run: Path):
-    return small_config(preset, run, **RESUME, **EXTRA.get(preset, {}))
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """A sixteenth-cost random tiny model: exact resume does not depend on the weights (the matrix
+    ran 4× slower on the built-in model)."""
+    return small_model(tmp_path_factory.mktemp("model") / "tiny16")
+
+
+def resume_config(preset: str, run: Path, model: str):
+    return small_config(preset, run, checkpoint=model, **RESUME, **EXTRA.get(preset, {}))
 
 
 def test_every_newer_preset_is_resumed():
@@ -53,14 +60,14 @@ def test_every_newer_preset_is_resumed():
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory):
+def full_run(tmp_path_factory, model):
     """The uninterrupted run of a preset (made once per preset)."""
     cache: dict[str, Path] = {}
 
     def get(preset: str) -> Path:
         if preset not in cache:
             run = tmp_path_factory.mktemp("full") / preset
-            train(resume_config(preset, run))
+            train(resume_config(preset, run, model))
             cache[preset] = run
         return cache[preset]
 
@@ -88,13 +95,14 @@ def assert_same_run(want: Path, got: Path) -> None:
         load_file(got / "final" / "trainable.safetensors"),
     )
     assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+    assert any(fa[k].abs().max() > 0 for k in fa if "lora_B" in k), "the run never moved (LoRA B starts at 0)"
 
 
 @pytest.mark.parametrize(("preset", "point"), CASES)
-def test_killed_in_a_checkpoint_write_resumes_exactly(preset, point, full_run, tmp_path, monkeypatch):
+def test_killed_in_a_checkpoint_write_resumes_exactly(preset, point, full_run, model, tmp_path, monkeypatch):
     want = full_run(preset)
     run = tmp_path / "run"
-    cfg = resume_config(preset, run)
+    cfg = resume_config(preset, run, model)
     install(point, KILLED_AT, "raise", monkeypatch.setattr)
     with pytest.raises(Killed):
         train(cfg)
@@ -126,8 +134,9 @@ def _cli(code: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
-def _train(run: Path, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
-    argv = ["train", *extra] if "--resume" in extra else ["train", "--run_dir", str(run), *CLI_ARGS]
+def _train(run: Path, model: str, *extra: str, kill: str = "") -> subprocess.CompletedProcess:
+    new = ["train", "--run_dir", str(run), "--checkpoint", model, *CLI_ARGS]
+    argv = ["train", *extra] if "--resume" in extra else new
     if kill:
         code = f"import kill_points; kill_points.run_cli({kill!r}, {KILLED_AT}, 'sigkill', {argv!r})"
     else:
@@ -135,21 +144,21 @@ def _train(run: Path, *extra: str, kill: str = "") -> subprocess.CompletedProces
     return _cli(code)
 
 
-def test_sigkill_between_the_renames_then_resume_reproduces_the_run(tmp_path):
+def test_sigkill_between_the_renames_then_resume_reproduces_the_run(model, tmp_path):
     full, broken = tmp_path / "full", tmp_path / "broken"
-    done = _train(full)
+    done = _train(full, model)
     assert done.returncode == 0, done.stdout + done.stderr
-    killed = _train(broken, kill="between_renames")
+    killed = _train(broken, model, kill="between_renames")
     assert killed.returncode == -9, killed.stdout + killed.stderr
     assert not (broken / "checkpoint").exists() and (broken / "checkpoint.old").exists()
-    resumed = _train(broken, "--resume", str(broken))
+    resumed = _train(broken, model, "--resume", str(broken))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert (broken / "metrics.jsonl").read_text() == (full / "metrics.jsonl").read_text()
 
 
-def test_ctrl_c_stops_after_the_iteration_with_a_checkpoint(tmp_path):
+def test_ctrl_c_stops_after_the_iteration_with_a_checkpoint(model, tmp_path):
     run = tmp_path / "run"
-    argv = ["train", "--run_dir", str(run), *CLI_ARGS]
+    argv = ["train", "--run_dir", str(run), "--checkpoint", model, *CLI_ARGS]
     code = (
         "import sys, kill_points; kill_points.interrupt_after(1); "
         f"from flowcredit.cli import main; sys.exit(main({argv!r}))"
