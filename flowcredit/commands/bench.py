@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from flowcredit.commands.bench_read import json_safe, read_run
 from flowcredit.commands.bench_report import write_plots, write_table
 from flowcredit.commands.bench_skill import SKILL_ARMS, after_run, published, relative_paths
 from flowcredit.commands.bench_stats import report
@@ -290,55 +290,6 @@ def _finished(run_dir: Path, cfg: Config) -> bool:
     return summary["iterations"] >= cfg.iterations or 0 < cfg.max_minutes <= summary["minutes"]
 
 
-def read_run(run_dir: Path) -> dict:
-    """Evaluation points of one run with cumulative seconds and NFE, plus its per-iteration costs."""
-    from flowcredit.run.runlog import read_iteration_seconds, read_metrics
-
-    secs = read_iteration_seconds(run_dir)
-    seconds, nfe, points, costs, floor, train_floor = 0.0, 0, [], [], math.nan, math.nan
-    categories = {"start": {}, "final": {}}
-    for m in read_metrics(run_dir):
-        it = m["iteration"]
-        if it > 0:
-            seconds += secs.get(it, math.nan)
-            cost = [m.get(f"nfe/{k}", 0) for k in ("rollout", "values", "train")]
-            costs.append(cost)
-            nfe += sum(cost)
-        floor = m.get("eval/test/floor_soft", floor)
-        train_floor = m.get("eval/train/floor_soft", train_floor)
-        if "eval/test/soft" in m:
-            soft, strict = m["eval/test/soft"], m.get("eval/test/strict", math.nan)  # NaN: no pass/fail
-            points.append({"iteration": it, "seconds": seconds, "nfe": nfe, "soft": soft, "strict": strict})
-            if "eval/train/soft" in m:
-                points[-1]["train"] = m["eval/train/soft"]
-            cats = {k.split("/")[2]: v for k, v in m.items() if _is_category(k)}
-            categories["final" if len(points) > 1 else "start"] = cats
-    iters = max(len(costs), 1)
-    bench = json.loads((run_dir / "bench.json").read_text()) if (run_dir / "bench.json").exists() else {}
-    wall = math.nan if bench.get("resumed", True) else bench["wall_s"]  # a resumed run's wall is partial
-    nfe_it = [sum(c[k] for c in costs) / iters for k in range(3)]
-    out = dict(run_dir=str(run_dir), iterations=len(costs), seconds=seconds, setup_seconds=wall - seconds)
-    out |= {"nfe_per_iteration": nfe_it, "noise_floor": floor, "train_floor": train_floor, "points": points}
-    return out | {"categories_start": categories["start"], "categories_final": categories["final"]}
-
-
-def _is_category(key: str) -> bool:
-    """``eval/test/<category>/soft`` (the trainer's per-category held-out keys)."""
-    parts = key.split("/")
-    return len(parts) == 4 and parts[:2] == ["eval", "test"] and parts[3] == "soft"
-
-
-def _json_safe(obj):
-    """NaN → null, so that results.json is strict JSON."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def _warm_imports() -> None:
     """Import what every run imports, so that the first cell's set-up time is not charged for it."""
     import importlib
@@ -398,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "variants": rep["variants"],
     }
     data |= {"claims": rep["claims"], "runs": results}
-    data = relative_paths(relative_paths(_json_safe(data), out / "runs"), Path.cwd())  # read elsewhere too
+    data = relative_paths(relative_paths(json_safe(data), out / "runs"), Path.cwd())  # read elsewhere too
     (out / "results.json").write_text(json.dumps(data, indent=1) + "\n")
     write_table(out, rows, settings, results)
     write_plots(out, cells, results, rows)

@@ -1,4 +1,4 @@
-"""The statistics of ``flowcredit bench`` over the runs it read (``bench.read_run``); the tables and
+"""The statistics of ``flowcredit bench`` over the runs it read (``bench_read.read_run``); the tables and
 plots that show them are ``flowcredit.commands.bench_report``.
 
 Scores: ``test`` = held-out prompts (every task), ``train`` = the prompts trained on (logged when
