@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_diffusers' helpers
 
+from sd35_configs import SD3_VAE, SD35_MEDIUM  # noqa: E402
 from tiny_diffusers import _clip_config, _t5, tokenizer  # noqa: E402
 
 from flowcredit.models.diffusers_common import default_device, resolve_dtype  # noqa: E402
@@ -41,21 +42,9 @@ from flowcredit.train import grpo_iteration  # noqa: E402
 
 CLIP_TOKENS, T5_TOKENS = 77, 256  # SD3's text sequence: 77 CLIP tokens (L and G side by side) + 256 T5
 PROMPTS = ["a photo of a red cat", "a big blue square on the sign", "a small green dog", "the yellow circle"]
-SD35_MEDIUM = {  # stabilityai/stable-diffusion-3.5-medium transformer/config.json
-    **dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, pos_embed_max_size=384),
-    **dict(num_layers=24, attention_head_dim=64, num_attention_heads=24, qk_norm="rms_norm"),
-    **dict(joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048),
-    "dual_attention_layers": tuple(range(13)),
-}
 SMALL_TRANSFORMER = SD35_MEDIUM | dict(num_layers=2, num_attention_heads=4, attention_head_dim=16)
 SMALL_TRANSFORMER |= dict(caption_projection_dim=64, sample_size=8, pos_embed_max_size=16)
 SMALL_TRANSFORMER["dual_attention_layers"] = (0,)
-SD3_VAE = {  # its vae/config.json (diffusers' defaults: 3 colour channels, SiLU, attention in the middle)
-    **dict(latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2),
-    **dict(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4),
-    **dict(sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, norm_num_groups=32),
-    **dict(use_quant_conv=False, use_post_quant_conv=False),
-}
 SMALL_VAE = SD3_VAE | dict(block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4)
 
 

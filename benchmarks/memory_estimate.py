@@ -14,20 +14,10 @@ it as ±2×. Usage: ``python benchmarks/memory_estimate.py``.
 from __future__ import annotations
 
 import torch
+from sd35_configs import SD35_MEDIUM
 
 GIB = 2**30
 SD35_PEAK_GIB, SD35_ROWS, SD35_TOKENS, SD35_LAYERS, SD35_WIDTH = 49.9, 16, 1024 + 333, 24, 1536
-SD35_MEDIUM = dict(
-    sample_size=128, patch_size=2, in_channels=16, out_channels=16, pos_embed_max_size=384, num_layers=24
-) | dict(
-    attention_head_dim=64,
-    num_attention_heads=24,
-    qk_norm="rms_norm",
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    dual_attention_layers=tuple(range(13)),
-)
 WAN_1_3B = dict(  # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json
     patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
     text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,

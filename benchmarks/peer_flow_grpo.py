@@ -40,6 +40,7 @@ from unittest import mock
 
 import torch
 from peer_code import load_peer, peer_backward, peer_rollout, peer_update
+from sd35_configs import SD3_VAE, SD35_MEDIUM
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["a red square", "a photo of a cat", "a big blue circle on the sign", "a green triangle"]
@@ -70,32 +71,7 @@ def build_pipeline(size: str, directory: Path) -> Path:
 
     t5 = T5Config(vocab_size=vocab, d_model=4096, d_kv=64, d_ff=256, num_layers=1, num_heads=4)
     t5.pad_token_id, t5.eos_token_id = 0, 3
-    transformer = SD3Transformer2DModel(
-        sample_size=128,
-        patch_size=2,
-        in_channels=16,
-        num_layers=24,
-        attention_head_dim=64,
-        num_attention_heads=24,
-        joint_attention_dim=4096,
-        caption_projection_dim=1536,
-        pooled_projection_dim=2048,
-        out_channels=16,
-        pos_embed_max_size=384,
-        dual_attention_layers=tuple(range(13)),
-        qk_norm="rms_norm",
-    )
-    vae = AutoencoderKL(
-        latent_channels=16,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(128, 256, 512, 512),
-        layers_per_block=2,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5305,
-    )
+    transformer, vae = SD3Transformer2DModel(**SD35_MEDIUM), AutoencoderKL(**SD3_VAE)
     pipe = StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),

@@ -146,7 +146,7 @@ def test_num_frames_on_an_image_model_is_a_config_error(command, flags, model, t
 def test_a_diffusers_checkpoint_near_a_run_names_its_final(run):
     """A misspelt ``RUN/final`` looks like a hub id (``owner/name``); beside a run folder it is a typo."""
     from flowcredit.errors import ConfigError
-    from flowcredit.models.diffusers_common import check_checkpoint
+    from flowcredit.models.diffusers_checkpoint import check_checkpoint
 
     with pytest.raises(ConfigError, match=r"no such directory 'run/fina': did you mean 'run/final'"):
         check_checkpoint("run/fina", "StableDiffusion3Pipeline")

@@ -21,7 +21,7 @@ import torch
 from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
 from flowcredit.models import load_model
-from flowcredit.models.diffusers_common import is_run_final
+from flowcredit.models.diffusers_checkpoint import is_run_final
 from flowcredit.rewards import check_metadata, uses_shapeeval
 from flowcredit.run.evaluation import (
     evaluate,
