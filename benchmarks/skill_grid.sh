@@ -6,7 +6,8 @@
 # benchmarks/results/skill_compare_gpu; GPU and CPU runs are never pooled). Resumable: finished runs
 # are read from the published JSON, unfinished ones resume from their checkpoints (restore parked
 # ones first: benchmarks/skill_grid_park.py restore).
-#   bash benchmarks/skill_grid.sh [PUBLISH_DIR]     # one 2-thread run at a time; nice it beside other work
+#   bash benchmarks/skill_grid.sh [PUBLISH_DIR]     # one 2-thread run at a time; pause it around other torch
+#                                                   # work (skill_grid_bg.sh pause: nice does not help)
 set -euo pipefail
 PUBLISH=${1:-benchmarks/results/skill_compare/runs}
 PY=${PY:-.venv/bin/python}
