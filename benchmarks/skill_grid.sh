@@ -7,7 +7,7 @@
 # are read from the published JSON, unfinished ones resume from their checkpoints (restore parked
 # ones first: benchmarks/skill_grid_park.py restore).
 #   bash benchmarks/skill_grid.sh [PUBLISH_DIR]     # one 2-thread run at a time; pause it around other torch
-#                                                   # work (skill_grid_bg.sh pause: nice does not help)
+#                                                   # work (skill_grid_bg.sh runs it and pauses it itself)
 set -euo pipefail
 PUBLISH=${1:-benchmarks/results/skill_compare/runs}
 PY=${PY:-.venv/bin/python}

@@ -3,7 +3,8 @@
 # changes the code a run is halfway through (docs/benchmarks.md, "The skill comparison"):
 #   bash benchmarks/skill_grid_bg.sh start [WORKTREE]   # worktree at HEAD (made if missing), parked runs
 #                                                       # restored, the grid and a park loop started
-#   bash benchmarks/skill_grid_bg.sh pause | cont       # SIGSTOP / SIGCONT (around a test suite)
+#   bash benchmarks/skill_grid_bg.sh pause | cont       # SIGSTOP / SIGCONT by hand (benchmarks/grid_yield.py
+#                                                       # also pauses it while other work uses the CPU)
 #   bash benchmarks/skill_grid_bg.sh status             # the current run's last progress line
 #   bash benchmarks/skill_grid_bg.sh stop               # end the grid, park its unfinished runs
 # Finished runs are published into this checkout's benchmarks/results/skill_compare/runs and unfinished
@@ -45,14 +46,18 @@ start)
 run) # the process group's leader: the park loop beside the grid, one last park after it
     echo $$ >"$WORKTREE/grid.pgid"
     (while sleep 1200; do park >>"$WORKTREE/park.log" 2>&1 || true; done) &
+    "$PY" "$MAIN/benchmarks/grid_yield.py" $$ >>"$WORKTREE/yield.log" 2>&1 & # paused while others run
     (cd "$WORKTREE" && PY=$PY PYTHONPATH=$WORKTREE nice -n 5 bash benchmarks/skill_grid.sh "$RESULTS/runs" \
         >grid.log 2>&1) || true
     park >>"$WORKTREE/park.log" 2>&1 || true
-    kill %1 2>/dev/null || true
+    kill %1 %2 2>/dev/null || true
     ;;
 pause) group STOP ;;
 cont) group CONT ;;
-status) tr '\r' '\n' <"$WORKTREE/grid.log" | grep -a "bench:\|it/s\|s/it" | tail -2 ;;
+status)
+    tr '\r' '\n' <"$WORKTREE/grid.log" | grep -a "bench:\|it/s\|s/it" | tail -2
+    tail -1 "$WORKTREE/yield.log" 2>/dev/null || true
+    ;;
 stop)
     group CONT
     group TERM
