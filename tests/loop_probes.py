@@ -33,9 +33,10 @@ SMALL = {**SMALL_RUN, "log_with": "none", "reward": "reward_fixtures:brightness"
 
 
 def small_model(directory) -> str:
-    """Write a randomly initialised tiny model a sixteenth of the built-in one's cost (16×16 images,
-    16 base channels, two U-Net levels; the built-in vocabulary) to ``directory``; returns the path
-    for ``checkpoint``. For tests whose claim does not depend on the weights (exact resume)."""
+    """Write a randomly initialised tiny model with about a sixteenth of the built-in one's convolution
+    arithmetic (16×16 images, 16 base channels, two U-Net levels; the built-in vocabulary) to
+    ``directory``; returns the path for ``checkpoint``. For tests whose claim does not depend on the
+    weights (exact resume)."""
     builtin = load_builtin()
     config = dataclasses.replace(builtin.config, size=16, channels=16, mults=(1, 2))
     TinyFlowModel(config, seed=0).save(directory)
