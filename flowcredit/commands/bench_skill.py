@@ -31,6 +31,7 @@ from flowcredit.commands.bench_skill_report import (  # noqa: F401 (the report, 
 )
 from flowcredit.config import Config
 from flowcredit.presets import load_config
+from flowcredit.run.runlog import read_iteration_seconds, read_metrics
 
 FINAL_EVAL_SEEDS = (7001, 7002)
 """Noise seeds of the final held-out evaluation, used for nothing else."""
@@ -232,8 +233,6 @@ def training_minutes(run_dir: Path) -> float:
     """Minutes of training summed over the iterations of ``timings.jsonl`` (the last time logged for an
     iteration counts, as a resume may log one twice): a resumed run's whole cost, without its
     evaluations and set-up. ``summary.json``'s minutes count only the process that finished the run."""
-    from flowcredit.run.runlog import read_iteration_seconds
-
     return sum(read_iteration_seconds(run_dir).values()) / 60
 
 
@@ -255,8 +254,6 @@ def relative_paths(value, root: Path):
 def publish(run_dir: Path, dest: Path) -> Path:
     """Copy the run's small results (config, summary, held-out per-sample scores, training curve) to
     ``dest/<run>.json``."""
-    from flowcredit.run.runlog import read_metrics
-
     record = {"run": run_dir.name}
     files = {"config": "config.json", "summary": "summary.json", "heldout": "heldout/eval.json"}
     if not (run_dir / "config.json").is_file():  # the base checkpoint's evaluation directory
