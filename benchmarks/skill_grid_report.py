@@ -45,8 +45,18 @@ def progress(out: Path) -> list[str]:
     ]
 
 
-def table(rep: dict, gpu: bool = False) -> str:
-    """The markdown report; ``gpu``: the runs shared one GPU, so their minutes are wall minutes."""
+def time_ratio(arm: str, times: dict) -> str:
+    """``arm``'s seconds per iteration ÷ Flow-GRPO's (``skill``), from ``skill_rate.py --arms --out``
+    (``times["arms"]``: one iteration of each arm, timed side by side), or "" where it was not timed."""
+    name = "skill" if arm == "skill" else arm.removeprefix("skill-")
+    arms = times.get("arms", {})
+    return f"{arms[name] / arms['skill']:.2f}×" if name in arms and "skill" in arms else ""
+
+
+def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
+    """The markdown report; ``gpu``: the runs shared one GPU, so their minutes are wall minutes;
+    ``times``: iteration times measured side by side (``iteration_times.json``), a column of the costs."""
+    times = times or {}
     minutes = "GPU wall-minutes" if gpu else "CPU-minutes"
     lines = ["# The skill comparison (held-out, 86 prompts × 16 samples × noise seeds 7001, 7002)", ""]
     base = rep["base"]
@@ -76,12 +86,15 @@ def table(rep: dict, gpu: bool = False) -> str:
         v = p["verdict"]
         lines.append(f"| {arm} | {len(p['seeds'])} | {v['strict/overall']} | {v['strict/per_image']} |")
     lines += ["", "## Cost per run (mean over seeds)", ""]
-    lines += [f"| arm | n | network calls per iteration | training calls | ψ calibration calls | {minutes} |"]
-    lines += ["|---|---|---|---|---|---|"]
+    lines += [
+        "| arm | n | network calls per iteration | training calls | ψ calibration calls | "
+        f"seconds per iteration ÷ Flow-GRPO's | {minutes} |"
+    ]
+    lines += ["|---|---|---|---|---|---|---|"]
     for arm, c in rep.get("cost", {}).items():
         lines.append(
             f"| {arm} | {c['n']} | {c['nfe_per_iteration']:,.0f} | {c['train_nfe']:,.0f} | "
-            f"{c['calibration_nfe']:,.0f} | {c['cpu_minutes']:.0f} |"
+            f"{c['calibration_nfe']:,.0f} | {time_ratio(arm, times)} | {c['cpu_minutes']:.0f} |"
         )
     lines += [
         "",
@@ -89,7 +102,15 @@ def table(rep: dict, gpu: bool = False) -> str:
         if gpu
         else "CPU-minutes: wall minutes × threads on the machine that ran it, with whatever else ran beside",
     ]
-    lines += ["it: network calls are the cost axis; minutes are indicative only."]
+    lines += ["it and at whatever speed its host had that day: network calls are the cost axis; minutes are"]
+    lines += ["indicative only."]
+    if times.get("arms"):
+        cpu, threads = times.get("cpu", {}).get("model", "?"), times.get("threads", "?")
+        lines += [
+            "Seconds per iteration ÷ Flow-GRPO's: iteration 0 of each arm from the same start, timed side by",
+            f"side in one run (`benchmarks/skill_rate.py --arms`, best of its repeats; {cpu},",
+            f"{threads} threads, `iteration_times.json`): the time ratio on a quiet machine.",
+        ]
     lines += ["", "## Claims", "", "| claim | arm | n | verdict |", "|---|---|---|---|"]
     for c in rep["claims"]:
         lines.append(f"| {c['claim']} | {c['arm']} | {c['n']} | {c['verdict']} |")
@@ -256,7 +277,9 @@ def main() -> None:
     rep["cost"] = arm_costs(records)
     (out / "results.json").write_text(json.dumps(rep, indent=1) + "\n")
     gpu = any(str(r.get("config", {}).get("device", "")).startswith("cuda") for r in records.values())
-    (out / "table.md").write_text(table(rep, gpu) + "\n" + "\n".join(progress(out)))
+    timed = out / "iteration_times.json"  # benchmarks/skill_rate.py --arms ... --out, on a quiet machine
+    times = json.loads(timed.read_text()) if timed.is_file() else None
+    (out / "table.md").write_text(table(rep, gpu, times) + "\n" + "\n".join(progress(out)))
     figure(rep, out / "compare.png")
     curves(records, out / "curves.png")
     heldout_vs_nfe(rep, records, out / "heldout_vs_nfe.png")

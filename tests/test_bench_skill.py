@@ -211,9 +211,17 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
     (stale / "checkpoint").mkdir(parents=True)
     (stale / "checkpoint" / "state.json").write_text(json.dumps({"iteration": 191}))
     (stale / "config.json").write_text(json.dumps({"iterations": 450}))
+    times = {"cpu": {"model": "AMD EPYC"}, "threads": 2, "arms": {"skill": 5.0, "tp": 10.5}}
+    (tmp_path / "iteration_times.json").write_text(json.dumps(times))  # skill_rate.py --arms --out
     monkeypatch.setattr(sys, "argv", ["skill_grid_report.py", str(tmp_path)])
     report.main()
     rep = json.loads((tmp_path / "results.json").read_text())
+    assert (
+        "side in one run (`benchmarks/skill_rate.py --arms`, best of its repeats; AMD EPYC,"
+        in (tmp_path / "table.md").read_text()
+    )
+    ratios = [report.time_ratio(arm, times) for arm in ("skill", "skill-tp", "skill-dense")]
+    assert ratios == ["1.00×", "2.10×", ""]
     assert rep["paired"]["skill-tp"]["diff"]["strict/overall"][0] == pytest.approx(0.06)
     assert "| skill-tp | 10 | +0.060 (one seed)" in (tmp_path / "table.md").read_text()
     assert "Finished and evaluated: skill-seed10, skill-tp-seed10." in (tmp_path / "table.md").read_text()
