@@ -1,6 +1,7 @@
 """Published result files are read on other machines: none names a path of the machine that made it."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,51 @@ def test_relative_paths_rewrites_only_paths_under_the_root(tmp_path):
 
 def test_published_lists_the_result_files():
     assert len(PUBLISHED) > 10  # the test above would pass on an empty folder
+
+
+README = RESULTS.parents[1] / "README.md"
+CELL = re.compile(r"^\**(\w+)\**(?: \(([+−-]\d\.\d{3}) ± (\d\.\d{3})[;)])?")
+
+
+def _credit_rule_rows() -> list[tuple[str, str, list[str]]]:
+    """The README's "Which credit rule should I use?" table: ``(results folder, arm, cells)`` per row
+    that names its arm in backticks; rows after the "one GPU" row read the GPU table."""
+    text = README.read_text().split("### Which credit rule should I use?")[1].split("\n\n|")[1]
+    rows, folder = [], "skill_compare"
+    for line in ("|" + text).split("\n\n")[0].splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if "one GPU" in cells[0]:
+            folder = "skill_compare_gpu"
+        elif arm := re.search(r"`(\w+)`", cells[0]):
+            rows.append((folder, arm.group(1), cells))
+    return rows
+
+
+def _check_cell(cell: str, verdict: str, mean_half: list[float]) -> None:
+    match = CELL.match(cell)
+    assert match, cell
+    assert match.group(1) == verdict.split()[0], (cell, verdict)
+    if match.group(2):  # the interval as the table writes it, to 3 decimals
+        assert float(match.group(2).replace("−", "-")) == round(mean_half[0], 3), (cell, mean_half)
+        assert float(match.group(3)) == round(mean_half[1], 3), (cell, mean_half)
+
+
+@pytest.mark.parametrize(
+    "folder, arm, cells", _credit_rule_rows(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_the_readme_credit_rule_table_reads_the_published_results(folder, arm, cells):
+    paired = json.loads((RESULTS / folder / "results.json").read_text())["paired"]
+    if cells[1] == "queued":
+        assert f"skill-{arm}" not in paired, f"{arm} has landed: its README row still says queued"
+        return
+    result = paired[f"skill-{arm}"]
+    assert re.search(r"n = (\d+)", cells[0]).group(1) == str(len(result["seeds"])), (
+        cells[0],
+        result["seeds"],
+    )
+    _check_cell(cells[1], result["verdict"]["strict/overall"], result["diff"]["strict/overall"])
+    _check_cell(cells[2], result["verdict"]["strict/per_image"], result["diff"]["strict/per_image"])
+
+
+def test_the_readme_credit_rule_table_is_read():
+    assert {arm for _, arm, _ in _credit_rule_rows()} >= {"tp", "dense_euler1", "stepwise", "egrpo"}
