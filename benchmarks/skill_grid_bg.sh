@@ -6,6 +6,7 @@
 #   bash benchmarks/skill_grid_bg.sh pause | cont       # SIGSTOP / SIGCONT by hand (benchmarks/grid_yield.py
 #                                                       # also pauses it while other work uses the CPU)
 #   bash benchmarks/skill_grid_bg.sh status             # the current run's last progress line
+#   bash benchmarks/skill_grid_bg.sh plan               # every run: published, parked or to run; hours left
 #   bash benchmarks/skill_grid_bg.sh stop               # end the grid, park its unfinished runs
 # Finished runs are published into this checkout's benchmarks/results/skill_compare/runs and unfinished
 # ones parked into .../inflight every 20 minutes: commit both before the machine stops. The grid runs
@@ -58,6 +59,7 @@ status)
     tr '\r' '\n' <"$WORKTREE/grid.log" | grep -a "bench:\|it/s\|s/it" | tail -2
     tail -1 "$WORKTREE/yield.log" 2>/dev/null || true
     ;;
+plan) "$PY" benchmarks/skill_grid_plan.py --worktree "$WORKTREE" ;;
 stop)
     group CONT
     group TERM
@@ -66,7 +68,7 @@ stop)
     echo "stopped; commit benchmarks/results/skill_compare (runs/ and inflight/)"
     ;;
 *)
-    sed -n 2,11p "$0"
+    sed -n 2,12p "$0"
     exit 2
     ;;
 esac

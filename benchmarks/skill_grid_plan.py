@@ -1,0 +1,123 @@
+"""How far the CPU skill grid got and how long the rest takes: every run of ``benchmarks/skill_grid.sh``
+in its order, with its state (published, at checkpoint k of n, or not started) and the hours it still
+needs on this machine.
+
+    .venv/bin/python benchmarks/skill_grid_plan.py [--worktree /work/grid]
+
+Seconds per iteration per arm: the median of ``timings.jsonl`` over that arm's runs on this machine (the
+grid's worktree and the parked copies: the median ignores the iterations a pause or other work
+stretched); for an arm not run yet, its side-by-side time from ``iteration_times.json``
+(``benchmarks/skill_rate.py --arms``) scaled by how the measured arms ran against theirs; otherwise
+unknown. Each run also pays its held-out evaluation (the median gap between a run's ``final/`` and its
+``heldout/eval.json``). Estimates, for planning: the grid yields the CPU to other work, so the wall
+time is longer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "skill_compare"
+
+
+def grid_runs(script: Path) -> list[tuple[str, str]]:
+    """``[(arm, run name)]`` in the order ``skill_grid.sh`` trains them: per ``bench ARMS SEEDS`` line and
+    seed, the preset itself (arm ``skill``), then each arm; a run listed twice counts once."""
+    runs: list[tuple[str, str]] = []
+    for arms, seeds in re.findall(r"^bench (\S+) (\S+)", script.read_text(), flags=re.M):
+        for seed in seeds.split(","):
+            for arm in ["skill", *arms.split(",")]:
+                name = f"skill-seed{seed}" if arm == "skill" else f"skill-{arm}-seed{seed}"
+                if (arm, name) not in runs:
+                    runs.append((arm, name))
+    return runs
+
+
+def run_state(name: str, places: list[Path], published: Path) -> tuple[int | None, str]:
+    """``(iteration of the newest checkpoint or None, where)``; ``"published"`` when the run's JSON is."""
+    if (published / f"{name}.json").is_file():
+        return None, "published"
+    for place in places:
+        state = place / name / "checkpoint" / "state.json"
+        if state.is_file():
+            return json.loads(state.read_text())["iteration"], place.name
+    return 0, "not started"
+
+
+def median_seconds(places: list[Path]) -> dict[str, float]:
+    """Per arm: the median seconds of an iteration over every ``timings.jsonl`` of its runs here."""
+    per_arm: dict[str, list[float]] = {}
+    for place in places:
+        for timings in place.glob("skill-*-seed*/timings.jsonl"):
+            arm = timings.parent.name.removeprefix("skill-").rsplit("-seed", 1)[0]
+            rows = [json.loads(line) for line in timings.read_text().splitlines() if line.strip()]
+            per_arm.setdefault(arm, []).extend(r["time/iteration_s"] for r in rows)
+    return {arm: statistics.median(values) for arm, values in per_arm.items() if values}
+
+
+def seconds_per_iteration(measured: dict[str, float], timed: dict[str, float]) -> dict[str, float]:
+    """``measured`` (this machine's runs), completed by ``timed`` (side by side) × the median ratio of
+    measured to timed over the arms that have both (1 when none has)."""
+    both = [measured[a] / timed[a] for a in measured if a in timed]
+    scale = statistics.median(both) if both else 1.0
+    return {**{a: s * scale for a, s in timed.items()}, **measured}
+
+
+def evaluation_minutes(worktree_runs: Path, default: float = 4.0) -> float:
+    """The median minutes between a finished run's ``final/`` and its ``heldout/eval.json``."""
+    gaps = [
+        (run / "heldout" / "eval.json").stat().st_mtime - (run / "final").stat().st_mtime
+        for run in worktree_runs.glob("skill-*-seed*")
+        if (run / "heldout" / "eval.json").is_file() and (run / "final").is_dir()
+    ]
+    return statistics.median(gaps) / 60 if gaps else default
+
+
+def total_iterations(arm: str) -> int:
+    """The run's iterations: the ``skill`` preset's, or with the arm's change (``bench_skill.SKILL_ARMS``)."""
+    from flowcredit.commands.bench_skill import SKILL_ARMS
+    from flowcredit.presets import load_config
+
+    base = load_config("skill", None, [])
+    change = SKILL_ARMS.get(arm, [])
+    return load_config("skill", None, change(base) if callable(change) else change).iterations
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worktree", default="/work/grid", help="the grid's worktree (skill_grid_bg.sh)")
+    args = p.parse_args()
+    worktree_runs = Path(args.worktree) / "runs" / "skill_compare" / "runs"
+    places = [worktree_runs, RESULTS / "inflight"]
+    timed_file = RESULTS / "iteration_times.json"
+    timed = json.loads(timed_file.read_text()).get("arms", {}) if timed_file.is_file() else {}
+    speed = seconds_per_iteration(median_seconds(places), timed)
+    eval_min = evaluation_minutes(worktree_runs)
+    print("| run | state | iterations | s per iteration | hours left |\n|---|---|---|---|---|")
+    hours, unknown = 0.0, []
+    for arm, name in grid_runs(ROOT / "benchmarks" / "skill_grid.sh"):
+        done, where = run_state(name, places, RESULTS / "runs")
+        if done is None:
+            print(f"| {name} | published | | | |")
+            continue
+        total = total_iterations(arm)
+        if arm in speed:
+            left = ((total - done) * speed[arm] / 60 + eval_min) / 60
+            hours += left
+            cells = f"{speed[arm]:.1f} | {left:.1f}"
+        else:
+            unknown.append(name)
+            cells = "? | ?"
+        state = "not started" if where == "not started" else f"checkpoint ({where})"
+        print(f"| {name} | {state} | {done} / {total} | {cells} |")
+    print(f"\nLeft: {hours:.1f} h of known runs (evaluation {eval_min:.1f} min each)", end="")
+    print(f"; {len(unknown)} runs of arms never timed here." if unknown else ".")
+
+
+if __name__ == "__main__":
+    main()
