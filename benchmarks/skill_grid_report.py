@@ -45,12 +45,20 @@ def progress(out: Path) -> list[str]:
     ]
 
 
-def time_ratio(arm: str, times: dict) -> str:
+def time_ratio(arm: str, times: dict, iterations: float = 1.0) -> str:
     """``arm``'s seconds per iteration ÷ Flow-GRPO's (``skill``), from ``skill_rate.py --arms --out``
-    (``times["arms"]``: one iteration of each arm, timed side by side), or "" where it was not timed."""
+    (``times["arms"]``: one iteration of each arm, timed side by side), and per run (× ``iterations``,
+    the arm's iterations ÷ Flow-GRPO's) where that differs; "" where it was not timed."""
     name = "skill" if arm == "skill" else arm.removeprefix("skill-")
     arms = times.get("arms", {})
-    return f"{arms[name] / arms['skill']:.2f}×" if name in arms and "skill" in arms else ""
+    if name not in arms or "skill" not in arms:
+        return ""
+    ratio = arms[name] / arms["skill"]
+    return f"{ratio:.2f}×" + (f" ({ratio * iterations:.2f}× per run)" if iterations != 1.0 else "")
+
+
+def _iterations(cost: dict) -> float:
+    return round(cost["train_nfe"] / cost["nfe_per_iteration"])
 
 
 def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
@@ -91,10 +99,12 @@ def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
         f"seconds per iteration ÷ Flow-GRPO's | {minutes} |"
     ]
     lines += ["|---|---|---|---|---|---|---|"]
-    for arm, c in rep.get("cost", {}).items():
+    costs = rep.get("cost", {})
+    for arm, c in costs.items():
+        iterations = _iterations(c) / _iterations(costs["skill"]) if "skill" in costs else 1.0
         lines.append(
             f"| {arm} | {c['n']} | {c['nfe_per_iteration']:,.0f} | {c['train_nfe']:,.0f} | "
-            f"{c['calibration_nfe']:,.0f} | {time_ratio(arm, times)} | {c['cpu_minutes']:.0f} |"
+            f"{c['calibration_nfe']:,.0f} | {time_ratio(arm, times, iterations)} | {c['cpu_minutes']:.0f} |"
         )
     lines += [
         "",

@@ -222,6 +222,7 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
     )
     ratios = [report.time_ratio(arm, times) for arm in ("skill", "skill-tp", "skill-dense")]
     assert ratios == ["1.00×", "2.10×", ""]
+    assert report.time_ratio("skill-tp", times, 1 / 3) == "2.10× (0.70× per run)"
     assert rep["paired"]["skill-tp"]["diff"]["strict/overall"][0] == pytest.approx(0.06)
     assert "| skill-tp | 10 | +0.060 (one seed)" in (tmp_path / "table.md").read_text()
     assert "Finished and evaluated: skill-seed10, skill-tp-seed10." in (tmp_path / "table.md").read_text()
