@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The skill grid on the CPU, in the order of its issue (docs/benchmarks.md, "The skill comparison"):
 # DenseGRPO with one-step values ×4, Stepwise ×4, TP-GRPO at equal NFE seed 13, DenseGRPO's credit
-# rule and its sampler apart ×2, DenseGRPO with ODE values ×4, seeds 14–17, then the newer methods ×2
+# rule and its sampler apart ×2, DenseGRPO with ODE values ×4, seeds 14–17 (Flow-GRPO, TP-GRPO, and
+# each new arm still inconclusive), then the newer methods ×2
 # as a CPU cross-check (issue 39: their first look ran on a GPU on 2026-12-04,
 # benchmarks/results/skill_compare_gpu; GPU and CPU runs are never pooled). Resumable: finished runs
 # are read from the published JSON, unfinished ones resume from their checkpoints (restore parked
@@ -21,4 +22,8 @@ bench tp_equal_nfe 13
 bench dense_euler1_cps,dance_psi 10,11   # which of dense_euler1's two changes costs the score
 bench dense 10,11,12,13
 bench tp 14,15,16,17
+# seeds 14–17 for each new arm whose primary verdict is still inconclusive at n = 4 (issue 37's rule)
+more=$("$PY" benchmarks/skill_grid_plan.py --straddling dense_euler1,stepwise,dense,tp_equal_nfe \
+    --published "$PUBLISH") || { echo "skill_grid: no verdicts read; seeds 14-17 of the new arms skipped" >&2; more=; }
+if [ -n "$more" ]; then bench "$more" 14,15,16,17; fi
 bench mixgrpo,tempflow,egrpo,grpo_guard,nft_quarter,awm_quarter 10,11   # issue 39, on the CPU

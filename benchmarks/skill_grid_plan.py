@@ -1,8 +1,10 @@
 """How far the CPU skill grid got and how long the rest takes: every run of ``benchmarks/skill_grid.sh``
 in its order, with its state (published, at checkpoint k of n, or not started) and the hours it still
-needs on this machine.
+needs on this machine; with ``--straddling``, which arms still have an inconclusive verdict (the grid
+gives them more seeds).
 
     .venv/bin/python benchmarks/skill_grid_plan.py [--worktree /work/grid]
+    .venv/bin/python benchmarks/skill_grid_plan.py --straddling stepwise,dense [--published DIR]
 
 Seconds per iteration per arm: the median of ``timings.jsonl`` over that arm's runs on this machine (the
 grid's worktree and the parked copies: the median ignores the iterations a pause or other work
@@ -88,10 +90,37 @@ def total_iterations(arm: str) -> int:
     return load_config("skill", None, change(base) if callable(change) else change).iterations
 
 
+def straddling(published: Path, arms: list[str]) -> list[str]:
+    """The ``arms`` whose verdict against Flow-GRPO on the primary metric is still "inconclusive", from
+    the runs published in ``published`` (issue 37: they get seeds 14–17); an arm without paired runs is
+    left out."""
+    from flowcredit.commands.bench_skill import skill_report
+    from flowcredit.tasks.shapes import load_prompts
+
+    records = {f.stem: json.loads(f.read_text()) for f in sorted(published.glob("*.json"))}
+    categories = {m["prompt"]: m["category"] for m in load_prompts("test")}
+    paired = skill_report(records, categories)["paired"]
+    verdicts = {
+        arm: paired[f"skill-{arm}"]["verdict"]["strict/overall"] for arm in arms if f"skill-{arm}" in paired
+    }
+    return [arm for arm, verdict in verdicts.items() if verdict.startswith("inconclusive")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worktree", default="/work/grid", help="the grid's worktree (skill_grid_bg.sh)")
+    p.add_argument(
+        "--straddling",
+        metavar="ARMS",
+        help="only print which of these arms (a comma list) are still inconclusive, comma-separated",
+    )
+    p.add_argument(
+        "--published", default=str(RESULTS / "runs"), help="the published runs (with --straddling)"
+    )
     args = p.parse_args()
+    if args.straddling:
+        print(",".join(straddling(Path(args.published), args.straddling.split(","))))
+        return
     worktree_runs = Path(args.worktree) / "runs" / "skill_compare" / "runs"
     places = [worktree_runs, RESULTS / "inflight"]
     timed_file = RESULTS / "iteration_times.json"
@@ -117,6 +146,10 @@ def main() -> None:
         print(f"| {name} | {state} | {done} / {total} | {cells} |")
     print(f"\nLeft: {hours:.1f} h of known runs (evaluation {eval_min:.1f} min each)", end="")
     print(f"; {len(unknown)} runs of arms never timed here." if unknown else ".")
+    if wanted := re.search(r"--straddling (\S+)", (ROOT / "benchmarks" / "skill_grid.sh").read_text()):
+        now = straddling(RESULTS / "runs", wanted.group(1).split(","))
+        print(f"Not counted: seeds 14–17 of the arms of {wanted.group(1)} still inconclusive when their turn")
+        print(f"comes (today: {', '.join(now) or 'none'}).")
 
 
 if __name__ == "__main__":

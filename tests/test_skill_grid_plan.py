@@ -63,3 +63,21 @@ def test_medians_of_the_runs_timings_and_side_by_side_times_scaled_to_them(tmp_p
 def test_an_equal_nfe_arm_plans_its_own_iterations():
     assert plan.total_iterations("skill") == 450
     assert plan.total_iterations("tp_equal_nfe") == 150
+
+
+def test_only_inconclusive_arms_get_more_seeds(tmp_path, monkeypatch):
+    from test_bench_skill import CATS, _record
+
+    import flowcredit.tasks.shapes as shapes
+
+    monkeypatch.setattr(
+        shapes, "load_prompts", lambda split: [{"prompt": p, "category": c} for p, c in CATS.items()]
+    )
+    runs = {"base-heldout": _record(0.2)}
+    for seed, (flow, worse, unsure) in {10: (0.30, 0.10, 0.36), 11: (0.40, 0.21, 0.38)}.items():
+        runs |= {f"skill-seed{seed}": _record(flow), f"skill-dense-seed{seed}": _record(worse)}
+        runs[f"skill-stepwise-seed{seed}"] = _record(unsure)  # +0.06, −0.02: spans 0
+    for name, record in runs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(record))
+    # dense: −0.20, −0.19 (worse); tp: never ran
+    assert plan.straddling(tmp_path, ["dense", "stepwise", "tp"]) == ["stepwise"]
