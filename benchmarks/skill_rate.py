@@ -160,6 +160,35 @@ def arm_times(arms: list[str], threads: int, repeats: int) -> dict[str, float]:
     return best
 
 
+def upsample_times(threads: int, repeats: int) -> dict[str, float]:
+    """Best iteration-0 seconds of the ``skill`` preset with the U-Net's nearest 2× upsampling as
+    ``F.interpolate`` (before) and as ``tiny_net.upsample2x`` (after; the same numbers bit for bit),
+    one session, weights and optimizer restored before each, alternating."""
+    import torch.nn.functional as F
+
+    from flowcredit.models import tiny_net
+
+    fast = tiny_net.upsample2x
+    ways = {"interpolate": lambda h: F.interpolate(h, scale_factor=2.0, mode="nearest"), "upsample2x": fast}
+    overrides = ["--threads", str(threads), "--log_with", "none", "--eval_every", "0"]
+    best = {name: math.inf for name in ways}
+    with tempfile.TemporaryDirectory() as tmp:
+        s = build_session(load_config("skill", None, [*overrides, "--run_dir", str(Path(tmp) / "run")]))
+        state, opt = s.policy.trainable_state(), copy.deepcopy(s.optimizer.state_dict())
+        try:
+            for _ in range(repeats):
+                for name, way in ways.items():
+                    tiny_net.upsample2x = way
+                    s.policy.load_trainable_state(state)
+                    s.optimizer.load_state_dict(opt)
+                    t0 = time.perf_counter()
+                    grpo_iteration(s, 0)
+                    best[name] = min(best[name], time.perf_counter() - t0)
+        finally:
+            tiny_net.upsample2x = fast
+    return best
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -169,6 +198,7 @@ def main() -> None:
         "--arms", default="", help="also time these arms of the skill comparison, e.g. dense_euler1"
     )
     p.add_argument("--profile", action="store_true", help="also profile one composed iteration by operator")
+    p.add_argument("--upsample", action="store_true", help="also time F.interpolate against upsample2x")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -218,6 +248,13 @@ def main() -> None:
         for name, seconds in times.items():
             print(f"| {name} | {seconds:.2f} | {seconds / times['skill']:.2f}× |")
         out["arms"] = times
+    if args.upsample:
+        up = upsample_times(args.threads, args.repeats)
+        print("\n| nearest 2× upsampling in the U-Net | iteration s |\n|---|---|")
+        for name, seconds in up.items():
+            print(f"| {name} | {seconds:.2f} |")
+        print(f"\nupsample2x / interpolate time: {up['upsample2x'] / up['interpolate']:.3f}×")
+        out["upsample"] = up
     if args.profile:
         print("\n| operator (one composed iteration) | self CPU share | calls | s | GFLOP/s |")
         print("|---|---|---|---|---|")

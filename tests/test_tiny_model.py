@@ -144,3 +144,27 @@ def test_config_autocast_switches_the_run_not_the_checkpoint():
     assert not load_model(Config()).autocast
     with pytest.raises(ConfigError, match="autocast"):
         load_model(Config(model="test_video_shapes:load_toy_video", autocast=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_upsample2x_is_nearest_interpolation_bit_for_bit(dtype):
+    """The U-Net's broadcast-copy upsampling equals ``F.interpolate(…, "nearest")`` exactly, forward and
+    backward (hand check: one pixel fills its 2×2 block; the block's four gradients sum back to it)."""
+    import torch.nn.functional as F
+
+    from flowcredit.models.tiny_net import upsample2x
+
+    assert upsample2x(torch.tensor([[[[1.0, 2.0]]]])).tolist() == [
+        [[[1.0, 1.0, 2.0, 2.0], [1.0, 1.0, 2.0, 2.0]]]
+    ]
+    g = torch.Generator().manual_seed(0)
+    for h in (torch.randn(4, 6, 5, 7, generator=g), torch.randn(2, 3, 4, 4, generator=g).transpose(2, 3)):
+        a, b = (h.to(dtype).clone().requires_grad_() for _ in range(2))
+        ya, yb = F.interpolate(a, scale_factor=2.0, mode="nearest"), upsample2x(b)
+        grad = torch.randn(ya.shape, generator=g).to(dtype)
+        ya.backward(grad)
+        yb.backward(grad)
+        assert torch.equal(ya, yb) and torch.equal(a.grad, b.grad)
+    x = torch.zeros(1, 1, 1, 2, requires_grad=True)
+    upsample2x(x).backward(torch.arange(8.0).reshape(1, 1, 2, 4))
+    assert x.grad.tolist() == [[[[0 + 1 + 4 + 5, 2 + 3 + 6 + 7]]]]

@@ -17,6 +17,33 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+class Upsample2x(torch.autograd.Function):
+    """Nearest 2× upsampling of ``h (B, C, H, W)`` → ``(B, C, 2H, 2W)``, bit for bit
+    ``F.interpolate(h, scale_factor=2.0, mode="nearest")`` forward and backward: the forward is a
+    broadcast copy (each pixel into its 2×2 block; about 3× faster than ``upsample_nearest2d``'s CPU
+    kernel, which was 5 % of a ``skill`` iteration), the backward is aten's own
+    ``upsample_nearest2d_backward``, so gradients sum in the same order."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = h.shape
+        ctx.size = (B, C, H, W)
+        return h[:, :, :, None, :, None].expand(B, C, H, 2, W, 2).reshape(B, C, 2 * H, 2 * W)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = ctx.size
+        return torch.ops.aten.upsample_nearest2d_backward(grad, [2 * H, 2 * W], [B, C, H, W], 2.0, 2.0)
+
+
+def upsample2x(h: torch.Tensor) -> torch.Tensor:
+    """:class:`Upsample2x` on a contiguous (NCHW) ``h``; ``F.interpolate`` otherwise (e.g. channels-last,
+    whose layout the broadcast copy would not keep)."""
+    if h.is_contiguous():
+        return Upsample2x.apply(h)
+    return F.interpolate(h, scale_factor=2.0, mode="nearest")
+
+
 class Attention(nn.Module):
     """Multi-head attention with separate query and key/value inputs and a key padding mask."""
 
@@ -191,7 +218,7 @@ class UNet(nn.Module):
         for j, block in enumerate(self.up):
             h = self._block(block, torch.cat([h, skips.pop()], dim=1), emb)
             if j < len(self.upsample):
-                h = self.upsample[j](F.interpolate(h, scale_factor=2.0, mode="nearest"))
+                h = self.upsample[j](upsample2x(h))
         return self.out(F.silu(self.out_norm(h)))
 
     def _block(self, block: nn.Module, h: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
