@@ -35,13 +35,15 @@ start)
         echo "the grid runs already (process group $(cat "$WORKTREE/grid.pgid"))"
         exit 1
     fi
-    [ -d "$WORKTREE" ] || git worktree add --detach "$WORKTREE" HEAD
-    echo "grid code: $(git -C "$WORKTREE" log --oneline -1)"
+    [ -d "$WORKTREE" ] || git worktree add -q --detach "$WORKTREE" HEAD
     mkdir -p "$WORKTREE/runs/skill_compare/runs"
-    (cd "$WORKTREE" && PYTHONPATH=$WORKTREE "$PY" benchmarks/skill_grid_park.py restore \
+    restored=$(cd "$WORKTREE" && PYTHONPATH=$WORKTREE "$PY" benchmarks/skill_grid_park.py restore \
         runs/skill_compare/runs "$RESULTS/inflight")
     if [ -f "$WORKTREE/grid.log" ]; then mv "$WORKTREE/grid.log" "$WORKTREE/grid.prev.log"; fi
     setsid nohup bash "$0" run "$WORKTREE" >/dev/null 2>&1 &
+    # printed after the launch: a reader that stops early (| head) cannot stop the start
+    echo "grid code: $(git -C "$WORKTREE" log --oneline -1)"
+    echo "$restored"
     echo "started; log: $WORKTREE/grid.log"
     ;;
 run) # the process group's leader: the park loop beside the grid, one last park after it
