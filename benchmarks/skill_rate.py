@@ -189,6 +189,30 @@ def upsample_times(threads: int, repeats: int) -> dict[str, float]:
     return best
 
 
+def optional_sections(args, profiled: list[dict], out: dict) -> None:
+    """The ``--arms``, ``--upsample`` and ``--profile`` tables, each also stored in ``out``."""
+    if args.arms:
+        times = arm_times(args.arms.split(","), args.threads, args.repeats)
+        print("\n| arm (composed forward) | iteration s | ÷ Flow-GRPO (skill) |\n|---|---|---|")
+        for name, seconds in times.items():
+            print(f"| {name} | {seconds:.2f} | {seconds / times['skill']:.2f}× |")
+        out["arms"] = times
+    if args.upsample:
+        up = upsample_times(args.threads, args.repeats)
+        print("\n| nearest 2× upsampling in the U-Net | iteration s |\n|---|---|")
+        for name, seconds in up.items():
+            print(f"| {name} | {seconds:.2f} |")
+        print(f"\nupsample2x / interpolate time: {up['upsample2x'] / up['interpolate']:.3f}×")
+        out["upsample"] = up
+    if args.profile:
+        print("\n| operator (one composed iteration) | self CPU share | calls | s | GFLOP/s |")
+        print("|---|---|---|---|---|")
+        for row in profiled:
+            rate = f"{row['gflops']:.0f}" if row["gflops"] else ""
+            print(f"| {row['op']} | {row['share']:.1%} | {row['calls']} | {row['s']:.2f} | {rate} |")
+        out["profile"] = profiled
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
@@ -242,26 +266,7 @@ def main() -> None:
         )
         out[name] = {"seconds": seconds, "gflop": flops / 1e9, "gflops": rate, "of_sgemm": rate / sgemm}
     print(f"\ncomposed / peft time: {out['composed']['seconds'] / out['peft']['seconds']:.2f}×")
-    if args.arms:
-        times = arm_times(args.arms.split(","), args.threads, args.repeats)
-        print("\n| arm (composed forward) | iteration s | ÷ Flow-GRPO (skill) |\n|---|---|---|")
-        for name, seconds in times.items():
-            print(f"| {name} | {seconds:.2f} | {seconds / times['skill']:.2f}× |")
-        out["arms"] = times
-    if args.upsample:
-        up = upsample_times(args.threads, args.repeats)
-        print("\n| nearest 2× upsampling in the U-Net | iteration s |\n|---|---|")
-        for name, seconds in up.items():
-            print(f"| {name} | {seconds:.2f} |")
-        print(f"\nupsample2x / interpolate time: {up['upsample2x'] / up['interpolate']:.3f}×")
-        out["upsample"] = up
-    if args.profile:
-        print("\n| operator (one composed iteration) | self CPU share | calls | s | GFLOP/s |")
-        print("|---|---|---|---|---|")
-        for row in profiled:
-            rate = f"{row['gflops']:.0f}" if row["gflops"] else ""
-            print(f"| {row['op']} | {row['share']:.1%} | {row['calls']} | {row['s']:.2f} | {rate} |")
-        out["profile"] = profiled
+    optional_sections(args, profiled if args.profile else [], out)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
