@@ -61,11 +61,41 @@ def _iterations(cost: dict) -> float:
     return round(cost["train_nfe"] / cost["nfe_per_iteration"])
 
 
+def cost_table(costs: dict, gpu: bool, times: dict) -> list[str]:
+    """Network calls and minutes per arm; with ``times`` (``iteration_times.json``), the seconds per
+    iteration ÷ Flow-GRPO's timed side by side too."""
+    timed = bool(times.get("arms"))
+    head = ["arm", "n", "network calls per iteration", "training calls", "ψ calibration calls"]
+    head += ["seconds per iteration ÷ Flow-GRPO's"] * timed + ["GPU wall-minutes" if gpu else "CPU-minutes"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, c in costs.items():
+        row = [arm, str(c["n"]), f"{c['nfe_per_iteration']:,.0f}", f"{c['train_nfe']:,.0f}"]
+        row += [f"{c['calibration_nfe']:,.0f}"]
+        if timed:
+            iterations = _iterations(c) / _iterations(costs["skill"]) if "skill" in costs else 1.0
+            row += [time_ratio(arm, times, iterations)]
+        lines.append("| " + " | ".join([*row, f"{c['cpu_minutes']:.0f}"]) + " |")
+    where = (
+        "GPU wall-minutes: of runs that shared one GPU and its CPU cores (several at a time"
+        if gpu
+        else "CPU-minutes: wall minutes × threads on the machine that ran it (with whatever else ran beside"
+    )
+    lines += ["", where + " and at whatever speed the host had that day): network calls are the cost"]
+    lines += ["axis; minutes are indicative only."]
+    if timed:
+        cpu, threads = times.get("cpu", {}).get("model", "?"), times.get("threads", "?")
+        lines += [
+            "Seconds per iteration ÷ Flow-GRPO's: iteration 0 of each arm from the same start, timed side by",
+            f"side in one run (`benchmarks/skill_rate.py --arms`, best of its repeats; {cpu},",
+            f"{threads} threads, `iteration_times.json`): the time ratio on a quiet machine.",
+        ]
+    return lines
+
+
 def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
     """The markdown report; ``gpu``: the runs shared one GPU, so their minutes are wall minutes;
     ``times``: iteration times measured side by side (``iteration_times.json``), a column of the costs."""
     times = times or {}
-    minutes = "GPU wall-minutes" if gpu else "CPU-minutes"
     lines = ["# The skill comparison (held-out, 86 prompts × 16 samples × noise seeds 7001, 7002)", ""]
     base = rep["base"]
     lines += [
@@ -89,38 +119,22 @@ def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
         row = [arm, ",".join(map(str, p["seeds"])), _cell(d["strict/overall"]), _cell(d["soft/overall"])]
         lines.append("| " + " | ".join([*row, _cell(d["strict/per_image"]), *cats]) + " |")
     lines += ["", "## Verdicts against Flow-GRPO (rule and margin fixed 2026-12-04, docs/benchmarks.md)", ""]
-    lines += ["| arm | n | held-out strict (primary) | strict per image |", "|---|---|---|---|"]
-    for arm, p in rep["paired"].items():
-        v = p["verdict"]
-        lines.append(f"| {arm} | {len(p['seeds'])} | {v['strict/overall']} | {v['strict/per_image']} |")
-    lines += ["", "## Cost per run (mean over seeds)", ""]
     lines += [
-        "| arm | n | network calls per iteration | training calls | ψ calibration calls | "
-        f"seconds per iteration ÷ Flow-GRPO's | {minutes} |"
+        "| arm | n | held-out strict (primary) | strict per image | seeds to end the primary verdict* |",
+        "|---|---|---|---|---|",
     ]
-    lines += ["|---|---|---|---|---|---|---|"]
-    costs = rep.get("cost", {})
-    for arm, c in costs.items():
-        iterations = _iterations(c) / _iterations(costs["skill"]) if "skill" in costs else 1.0
+    for arm, p in rep["paired"].items():
+        v, needed = p["verdict"], p.get("seeds_for_verdict", {}).get("strict/overall")
+        ended = "over 40" if needed is None else ("ended" if needed == len(p["seeds"]) else str(needed))
         lines.append(
-            f"| {arm} | {c['n']} | {c['nfe_per_iteration']:,.0f} | {c['train_nfe']:,.0f} | "
-            f"{c['calibration_nfe']:,.0f} | {time_ratio(arm, times, iterations)} | {c['cpu_minutes']:.0f} |"
+            f"| {arm} | {len(p['seeds'])} | {v['strict/overall']} | {v['strict/per_image']} | {ended} |"
         )
     lines += [
         "",
-        "GPU wall-minutes: of runs that shared one GPU and its CPU cores (several at a time)"
-        if gpu
-        else "CPU-minutes: wall minutes × threads on the machine that ran it, with whatever else ran beside",
+        "\\* if more seeds kept today's mean and spread of the paired differences (a planning figure,",
+        "not a result: the next seeds move both).",
     ]
-    lines += ["it and at whatever speed its host had that day: network calls are the cost axis; minutes are"]
-    lines += ["indicative only."]
-    if times.get("arms"):
-        cpu, threads = times.get("cpu", {}).get("model", "?"), times.get("threads", "?")
-        lines += [
-            "Seconds per iteration ÷ Flow-GRPO's: iteration 0 of each arm from the same start, timed side by",
-            f"side in one run (`benchmarks/skill_rate.py --arms`, best of its repeats; {cpu},",
-            f"{threads} threads, `iteration_times.json`): the time ratio on a quiet machine.",
-        ]
+    lines += ["", "## Cost per run (mean over seeds)", "", *cost_table(rep.get("cost", {}), gpu, times)]
     lines += ["", "## Claims", "", "| claim | arm | n | verdict |", "|---|---|---|---|"]
     for c in rep["claims"]:
         lines.append(f"| {c['claim']} | {c['arm']} | {c['n']} | {c['verdict']} |")

@@ -343,3 +343,23 @@ def test_a_published_run_counts_the_minutes_of_every_iteration_across_resumes(tm
     (run / "timings.jsonl").write_text("".join(lines))
     record = json.loads(publish(run, tmp_path / "pub").read_text())
     assert record["train_minutes"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "diffs, most, want",
+    [
+        # mean 0.02, sd 0.01414: "better" needs 0.02 > t(0.975, k−1) · 0.01414 / √k;
+        # k = 4: 3.182 · 0.00707 = 0.0225 (not yet), k = 5: 2.776 · 0.00632 = 0.0176 (ends)
+        ([0.01, 0.03], 40, 5),
+        # mean 0, sd 0.00141: already equivalent at n = 2 (6.314 · 0.001 = 0.0063 < 0.02)
+        ([0.001, -0.001], 40, 2),
+        # mean 0.05, sd 0.0707: k = 10: 2.262 · 0.02236 = 0.0506 (not yet), k = 11: 2.228 · 0.02132 = 0.0475
+        ([0.0, 0.1], 40, 11),
+        ([0.0, 0.1], 10, None),  # beyond most
+        ([0.5], 40, None),  # one seed: no SD
+    ],
+)
+def test_seeds_for_verdict_by_hand(diffs, most, want):
+    from flowcredit.commands.bench_skill_report import seeds_for_verdict
+
+    assert seeds_for_verdict(diffs, most=most) == want

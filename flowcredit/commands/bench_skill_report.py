@@ -50,14 +50,18 @@ def arm_verdict(diffs: list[float], margin: float = EQUIVALENCE) -> str:
       tests at 5 % each);
     - ``"inconclusive at n=<n>"``: neither (and always below 2 seeds).
     """
-    from scipy import stats
-
     n = len(diffs)
     if n < 2:
         return f"inconclusive at n={n}"
     mean = sum(diffs) / n
-    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
-    half95, half90 = (stats.t.ppf(q, n - 1) * se for q in (0.975, 0.95))
+    return _verdict(mean, math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)), n, margin)
+
+
+def _verdict(mean: float, sd: float, n: int, margin: float) -> str:
+    """:func:`arm_verdict`'s rule from the mean, the sample SD and the number of seeds (n ≥ 2)."""
+    from scipy import stats
+
+    half95, half90 = (stats.t.ppf(q, n - 1) * sd / math.sqrt(n) for q in (0.975, 0.95))
     if mean - half95 > 0:
         return "better"
     if mean + half95 < 0:
@@ -65,6 +69,20 @@ def arm_verdict(diffs: list[float], margin: float = EQUIVALENCE) -> str:
     if -margin < mean - half90 and mean + half90 < margin:
         return "equivalent"
     return f"inconclusive at n={n}"
+
+
+def seeds_for_verdict(diffs: list[float], margin: float = EQUIVALENCE, most: int = 40) -> int | None:
+    """The fewest paired seeds at which :func:`arm_verdict` would end (better, worse or equivalent) if
+    more seeds kept these differences' mean and sample SD: a planning figure, not a result (the next
+    seeds move both). ``len(diffs)`` when the verdict has ended already; None beyond ``most`` seeds, or
+    below 2 (no SD yet)."""
+    n = len(diffs)
+    if n < 2:
+        return None
+    mean = sum(diffs) / n
+    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    ended = (k for k in range(n, most + 1) if not _verdict(mean, sd, k, margin).startswith("inconclusive"))
+    return next(ended, None)
 
 
 def heldout_scores(heldout: dict, categories: dict[str, str]) -> dict:
@@ -128,14 +146,15 @@ def skill_report(records: dict[str, dict], categories: dict[str, str], baseline:
         seeds = sorted(set(by_seed) & set(arms[baseline]))
         if not seeds:
             continue
-        diffs, verdicts = {}, {}
+        diffs, verdicts, needed = {}, {}, {}
         for key in ("strict", "soft"):
             for part in base[key]:
                 values = [by_seed[s][key][part] - arms[baseline][s][key][part] for s in seeds]
                 diffs[f"{key}/{part}"] = ci95(values)
                 if f"{key}/{part}" in VERDICT_METRICS:
                     verdicts[f"{key}/{part}"] = arm_verdict(values)
-        out["paired"][arm] = {"seeds": seeds, "diff": diffs, "verdict": verdicts}
+                    needed[f"{key}/{part}"] = seeds_for_verdict(values)
+        out["paired"][arm] = {"seeds": seeds, "diff": diffs, "verdict": verdicts, "seeds_for_verdict": needed}
     for arm, claim, rule in SKILL_CLAIMS:
         if arm in out["paired"]:
             p = out["paired"][arm]
