@@ -7,6 +7,7 @@
 #                                                       # also pauses it while other work uses the CPU)
 #   bash benchmarks/skill_grid_bg.sh status             # the current run's last progress line
 #   bash benchmarks/skill_grid_bg.sh plan               # every run: published, parked or to run; hours left
+#   bash benchmarks/skill_grid_bg.sh park               # park the unfinished runs now (the loop does it every 20 min)
 #   bash benchmarks/skill_grid_bg.sh stop               # end the grid, park its unfinished runs
 # Finished runs are published into this checkout's benchmarks/results/skill_compare/runs and unfinished
 # ones parked into .../inflight every 20 minutes: commit both before the machine stops. The grid runs
@@ -62,6 +63,7 @@ status)
     tail -1 "$WORKTREE/yield.log" 2>/dev/null || true
     ;;
 plan) "$PY" benchmarks/skill_grid_plan.py --worktree "$WORKTREE" ;;
+park) park ;;
 stop)
     group CONT
     group TERM
@@ -70,7 +72,7 @@ stop)
     echo "stopped; commit benchmarks/results/skill_compare (runs/ and inflight/)"
     ;;
 *)
-    sed -n 2,12p "$0"
+    sed -n 2,13p "$0"
     exit 2
     ;;
 esac
