@@ -52,13 +52,15 @@ def run_state(name: str, places: list[Path], published: Path) -> tuple[int | Non
 
 
 def median_seconds(places: list[Path]) -> dict[str, float]:
-    """Per arm: the median seconds of an iteration over every ``timings.jsonl`` of its runs here."""
+    """Per arm: the median seconds of an iteration over every ``timings.jsonl`` of its runs here (an
+    iteration logged twice across a resume counts once)."""
+    from flowcredit.run.runlog import read_iteration_seconds
+
     per_arm: dict[str, list[float]] = {}
     for place in places:
         for timings in place.glob("skill-*-seed*/timings.jsonl"):
             arm = timings.parent.name.removeprefix("skill-").rsplit("-seed", 1)[0]
-            rows = [json.loads(line) for line in timings.read_text().splitlines() if line.strip()]
-            per_arm.setdefault(arm, []).extend(r["time/iteration_s"] for r in rows)
+            per_arm.setdefault(arm, []).extend(read_iteration_seconds(timings.parent).values())
     return {arm: statistics.median(values) for arm, values in per_arm.items() if values}
 
 

@@ -49,7 +49,7 @@ def time_ratio(arm: str, times: dict, iterations: float = 1.0) -> str:
     """``arm``'s seconds per iteration ÷ Flow-GRPO's (``skill``), from ``skill_rate.py --arms --out``
     (``times["arms"]``: one iteration of each arm, timed side by side), and per run (× ``iterations``,
     the arm's iterations ÷ Flow-GRPO's) where that differs; "" where it was not timed."""
-    name = "skill" if arm == "skill" else arm.removeprefix("skill-")
+    name = arm.removeprefix("skill-")  # "skill" stays "skill"
     arms = times.get("arms", {})
     if name not in arms or "skill" not in arms:
         return ""

@@ -53,8 +53,13 @@ def arm_verdict(diffs: list[float], margin: float = EQUIVALENCE) -> str:
     n = len(diffs)
     if n < 2:
         return f"inconclusive at n={n}"
-    mean = sum(diffs) / n
-    return _verdict(mean, math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1)), n, margin)
+    return _verdict(*_mean_sd(diffs), n, margin)
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    """The mean and the sample SD (n − 1) of at least two values."""
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def _verdict(mean: float, sd: float, n: int, margin: float) -> str:
@@ -79,8 +84,7 @@ def seeds_for_verdict(diffs: list[float], margin: float = EQUIVALENCE, most: int
     n = len(diffs)
     if n < 2:
         return None
-    mean = sum(diffs) / n
-    sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
+    mean, sd = _mean_sd(diffs)
     ended = (k for k in range(n, most + 1) if not _verdict(mean, sd, k, margin).startswith("inconclusive"))
     return next(ended, None)
 
