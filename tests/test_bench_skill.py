@@ -161,6 +161,31 @@ def test_a_published_run_is_not_trained_again(tmp_path):
     assert _published(tmp_path, cell, 10)
 
 
+def test_a_published_run_must_have_trained_with_the_benchs_psi(tmp_path):
+    """ψ calibrated again on a fresh machine: a published run with another ψ is an error naming both."""
+    import json
+
+    from flowcredit.commands.bench_skill import published as _published
+    from flowcredit.errors import UserError
+
+    psi_path = tmp_path / "psi.json"
+    psi_path.write_text(json.dumps({"psi": [1.5, 0.75, 0.0]}))
+    args = argparse.Namespace(
+        presets="skill", task="skill", minutes=0, iterations=None, quick=False, ablations="dense_euler1"
+    )
+    cell = next(c for c in plan_cells(args, []) if c["name"] == "skill-dense_euler1")
+    plain = dict(cell)
+    cell = cell | {"overrides": cell["overrides"] + ["--calibrate", "false", "--psi_path", str(psi_path)]}
+    record = {"summary": {"iterations": 450}, "heldout": {}, "calibration": {"psi": [1.5, 0.75, 0.0]}}
+    (tmp_path / "skill-dense_euler1-seed10.json").write_text(json.dumps(record))
+    assert _published(tmp_path, cell, 10)  # the same ψ
+    record["calibration"]["psi"] = [1.5, 0.8, 0.0]
+    (tmp_path / "skill-dense_euler1-seed10.json").write_text(json.dumps(record))
+    with pytest.raises(UserError, match=r"skill-dense_euler1-seed10.json trained with ψ \[1.5, 0.8"):
+        _published(tmp_path, cell, 10)
+    assert _published(tmp_path, plain, 10)  # no ψ handed over: nothing to compare
+
+
 def test_a_published_base_evaluation_is_not_recomputed(tmp_path):
     import json
 

@@ -30,6 +30,7 @@ from flowcredit.commands.bench_skill_report import (  # noqa: F401 (the report, 
     skill_verdict,
 )
 from flowcredit.config import Config
+from flowcredit.errors import UserError
 from flowcredit.presets import load_config
 from flowcredit.run.runlog import read_iteration_seconds, read_metrics
 
@@ -292,8 +293,26 @@ def published(dest: Path, cell: dict, seed: int) -> bool:
     iterations = load_config(cell["preset"], None, cell["overrides"]).iterations
     done = record.get("summary", {}).get("iterations", 0) >= iterations and "heldout" in record
     if done:
+        _same_psi(record, cell, path)
         print(f"bench: {path.stem}: published earlier in {dest}, not recomputed", flush=True)
     return done
+
+
+def _same_psi(record: dict, cell: dict, path: Path) -> None:
+    """A published run that trained with a calibrated ψ must have used the ψ this bench hands to its new
+    runs (``--psi_path``, from bench.shared_psi): on a fresh machine ψ is calibrated again, and seeds
+    trained with another ψ would not be seeds of one arm."""
+    overrides, used = cell["overrides"], record.get("calibration", {}).get("psi")
+    if used is None or "--psi_path" not in overrides:
+        return
+    psi_path = Path(overrides[overrides.index("--psi_path") + 1])
+    psi = json.loads(psi_path.read_text())["psi"]
+    if psi != used:
+        raise UserError(
+            f"bench: {path} trained with ψ {used}, but this bench calibrated ψ {psi} ({psi_path}); "
+            "new runs would not be seeds of the same arm: write the published ψ into that file, or "
+            "move the published runs aside and rerun the arm"
+        )
 
 
 def base_published(dest: Path | None, quick: bool) -> bool:
