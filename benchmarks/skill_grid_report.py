@@ -247,6 +247,25 @@ def arm_costs(records: dict[str, dict]) -> dict[str, dict]:
     }
 
 
+def run_points(arm: str, a: dict, records: dict[str, dict], base: float) -> list[tuple[float, float, bool]]:
+    """Per seed of the arm: (network calls in millions, held-out strict − base, calls logged). A run
+    published without its training curve (before 2026-12-03) logged no calls: it stands at the mean of
+    its arm's logged runs, so that every seed of the table counts in the arm's mean."""
+    points = []
+    for seed in a["seeds"]:
+        rec = records.get(f"{arm}-seed{seed}", {})
+        logged = bool(rec.get("curve")) and "config" in rec
+        calls = float("nan")
+        if logged:
+            cost = run_cost(rec)
+            calls = (cost["train_nfe"] + cost["calibration_nfe"]) / 1e6
+        points.append((calls, a["per_seed"][seed]["strict"]["overall"] - base, logged))
+    known = [x for x, _, logged in points if logged]
+    if not known:
+        return []
+    return [(x if logged else sum(known) / len(known), y, logged) for x, y, logged in points]
+
+
 def heldout_vs_nfe(rep: dict, records: dict[str, dict], path: Path) -> Path:
     """Held-out strict (change from the base) against the network calls a run spent, one dot per run, the
     arm's seed mean as a larger marker: what each credit rule buys per unit of compute."""
@@ -257,19 +276,15 @@ def heldout_vs_nfe(rep: dict, records: dict[str, dict], path: Path) -> Path:
 
     base = rep["base"]["strict"]["overall"]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    unlogged = False
     for color, (arm, a) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], rep["arms"].items()):
-        points = []
-        for seed in a["seeds"]:
-            rec = records.get(f"{arm}-seed{seed}", {})
-            if rec.get("curve") and "config" in rec:
-                cost = run_cost(rec)
-                points.append(
-                    (cost["train_nfe"] + cost["calibration_nfe"], a["per_seed"][seed]["strict"]["overall"])
-                )
+        points = run_points(arm, a, records, base)
         if not points:
             continue
-        xs, ys = [x / 1e6 for x, _ in points], [y - base for _, y in points]
-        ax.scatter(xs, ys, color=color, s=14, alpha=0.5)
+        xs, ys = [x for x, _, _ in points], [y for _, y, _ in points]
+        for x, y, logged in points:
+            ax.scatter([x], [y], s=14, alpha=0.5, color=color if logged else "none", edgecolor=color)
+            unlogged |= not logged
         ax.scatter(
             [sum(xs) / len(xs)],
             [sum(ys) / len(ys)],
@@ -279,7 +294,10 @@ def heldout_vs_nfe(rep: dict, records: dict[str, dict], path: Path) -> Path:
             label=f"{arm} (n={len(xs)})",
         )
     ax.axhline(0, color="k", lw=0.6)
-    ax.set_xlabel("network calls per run (millions; training + ψ calibration)")
+    xlabel = "network calls per run (millions; training + ψ calibration)"
+    if unlogged:
+        xlabel += "\nhollow: a run published without its calls, at its arm's mean"
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("held-out strict − base")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:

@@ -206,18 +206,46 @@ def test_a_published_base_evaluation_is_not_recomputed(tmp_path):
     assert not base_published(tmp_path, quick=False)
 
 
-def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch):
+def _grid_report():
+    """benchmarks/skill_grid_report.py as a module."""
     import importlib.util
-    import json
-    import sys
     from pathlib import Path
-
-    from PIL import Image
 
     script = Path(__file__).parents[1] / "benchmarks" / "skill_grid_report.py"
     spec = importlib.util.spec_from_file_location("skill_grid_report", script)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
+    return report
+
+
+def test_a_run_published_without_its_calls_stands_at_its_arms_mean():
+    """The figure's dots: calls from the training curve; a run without one at its arm's logged mean."""
+    report = _grid_report()
+    records = {
+        f"skill-seed{s}": {"config": {"seed": s}, "curve": {"nfe": [n / 2, n]}}
+        for s, n in ((10, 2e6), (11, 4e6))
+    }
+    records["skill-seed12"] = {"config": {"seed": 12}}  # published before runs carried their curve
+    arm = {
+        "seeds": [10, 11, 12],
+        "per_seed": {s: {"strict": {"overall": v}} for s, v in ((10, 0.3), (11, 0.4), (12, 0.5))},
+    }
+    points = report.run_points("skill", arm, records, base=0.2)
+    assert [(x, round(y, 9), logged) for x, y, logged in points] == [
+        (2.0, 0.1, True),
+        (4.0, 0.2, True),
+        (3.0, 0.3, False),
+    ]
+    assert report.run_points("skill", arm, {}, base=0.2) == []  # no run logged its calls: no dots
+
+
+def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from PIL import Image
+
+    report = _grid_report()
     records = {"base-heldout": _record(0.2), "skill-seed10": _record(0.3), "skill-tp-seed10": _record(0.36)}
     records["skill-seed10"]["curve"] = {"iteration": [1, 2], "reward": [0.2, 0.4], "nfe": [960, 1920]}
     (tmp_path / "runs").mkdir()
