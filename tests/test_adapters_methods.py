@@ -33,6 +33,7 @@ import torch
 
 pytest.importorskip("diffusers", reason="needs the 'diffusers' extra: pip install -e '.[test]'")
 
+from loop_probes import small_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from tiny_diffusers import BUILDERS, train_config  # noqa: E402
 
@@ -68,17 +69,20 @@ def dirs(tmp_path_factory):
     """Every tiny pipeline, saved once, and the prompt file of the diffusers runs."""
     root = tmp_path_factory.mktemp("pipes_methods")
     (root / "prompts.txt").write_text("\n".join(PROMPTS) + "\n")
-    return {"prompts": root / "prompts.txt"} | {kind: build(root / kind) for kind, build in BUILDERS.items()}
+    pipes = {kind: build(root / kind) for kind, build in BUILDERS.items()}
+    return {"prompts": root / "prompts.txt", "tiny16": small_model(root / "tiny16")} | pipes
 
 
 def method_config(preset: str, kind: str, dirs, run_dir, dtype: str, iterations: int = 1) -> Config:
     """``preset`` at test size on ``kind``, with the preset's own SDE window (AWM's, steps 0–6, at the
-    10 steps it assumes; the others' 0: every step but the last); the built-in model trains on two
-    ShapeEval prompts (its tokenizer knows ShapeEval's words only) with ``dtype`` "bfloat16" meaning
-    ``autocast``."""
+    10 steps it assumes; the others' 0: every step but the last); the built-in model (a small random
+    one, ``loop_probes.small_model``: bf16 autocast with the built-in weights took 13–52 s a test on a
+    CPU without bf16 instructions) trains on two ShapeEval prompts (its tokenizer knows ShapeEval's
+    words only) with ``dtype`` "bfloat16" meaning ``autocast``."""
     if kind == "tiny":
         cfg = dataclasses.replace(
             PRESETS[preset](),
+            checkpoint=str(dirs["tiny16"]),
             num_train_prompts=2,
             eval_samples_per_prompt=1,
             eval_every=0,
