@@ -51,9 +51,10 @@ def run_state(name: str, places: list[Path], published: Path) -> tuple[int | Non
     return 0, "not started"
 
 
-def median_seconds(places: list[Path]) -> dict[str, float]:
+def median_seconds(places: list[Path], least: int = 10) -> dict[str, float]:
     """Per arm: the median seconds of an iteration over every ``timings.jsonl`` of its runs here (an
-    iteration logged twice across a resume counts once)."""
+    iteration logged twice across a resume counts once), for arms with at least ``least`` iterations
+    timed (a run's first two iterations, paused by a test suite, once planned it at 204 hours)."""
     from flowcredit.run.runlog import read_iteration_seconds
 
     per_arm: dict[str, list[float]] = {}
@@ -61,7 +62,7 @@ def median_seconds(places: list[Path]) -> dict[str, float]:
         for timings in place.glob("skill-*-seed*/timings.jsonl"):
             arm = timings.parent.name.removeprefix("skill-").rsplit("-seed", 1)[0]
             per_arm.setdefault(arm, []).extend(read_iteration_seconds(timings.parent).values())
-    return {arm: statistics.median(values) for arm, values in per_arm.items() if values}
+    return {arm: statistics.median(values) for arm, values in per_arm.items() if len(values) >= least}
 
 
 def seconds_per_iteration(measured: dict[str, float], timed: dict[str, float]) -> dict[str, float]:

@@ -53,8 +53,9 @@ def test_medians_of_the_runs_timings_and_side_by_side_times_scaled_to_them(tmp_p
         (tmp_path / name).mkdir()
         rows = [{"iteration": i, "time/iteration_s": s} for i, s in enumerate(seconds)]
         (tmp_path / name / "timings.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    measured = plan.median_seconds([tmp_path])
+    measured = plan.median_seconds([tmp_path], least=4)
     assert measured == {"tp": 11.5}  # a paused iteration (400 s) does not move the median
+    assert plan.median_seconds([tmp_path], least=5) == {}  # too few timed: the side-by-side times plan it
     speed = plan.seconds_per_iteration(measured, {"skill": 5.0, "tp": 10.0, "dense": 20.0})
     assert speed == pytest.approx({"tp": 11.5, "skill": 5.75, "dense": 23.0})
     assert plan.seconds_per_iteration({}, {"skill": 5.0}) == {"skill": 5.0}
