@@ -192,7 +192,7 @@ def test_method_trains_and_resumes_exactly(dirs, kind, preset, dtype, tmp_path, 
 @pytest.mark.parametrize("preset", [p for p in NEWER_PRESETS if (p, "bfloat16") not in RESUMED])
 @pytest.mark.parametrize("kind", KINDS)
 def test_method_trains_one_iteration_in_bfloat16(dirs, kind, preset, tmp_path):
-    """One bfloat16 iteration (the built-in model: bf16 autocast) trains: ``train_checked`` and
+    """One bfloat16 iteration (the tiny model, small and random: bf16 autocast) trains: ``train_checked`` and
     ``check_first_iteration`` (finite metrics, base weights untouched, LoRA moved, the old policy
     where there is one)."""
     cfg = method_config(preset, kind, dirs, tmp_path / "run", "bfloat16")

@@ -134,8 +134,8 @@ def test_base_weights_stay_bit_identical_over_iterations(kind, dtype, tmp_path, 
     """Three iterations with the rollout on copies (``lora_forward`` 'auto' on the built-in model,
     'peft+copy' on SD3, which 'auto' gives in float32 only), the values and evaluation on merged
     weights restored from a copy, the update through LoRA: every base weight of the network bit for
-    bit what was loaded, in float32 and bfloat16 (the built-in model: bf16 autocast), and the LoRA
-    moved."""
+    bit what was loaded, in float32 and bfloat16 (the tiny model, small and random: bf16 autocast),
+    and the LoRA moved."""
     from flowcredit.models import load_model
     from flowcredit.train import train
 
