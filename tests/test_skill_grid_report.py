@@ -1,0 +1,87 @@
+"""benchmarks/skill_grid_report.py: the skill grid's table, results.json and figures from published runs
+(the report's arithmetic itself: tests/test_bench_skill.py)."""
+
+import pytest
+from test_bench_skill import CATS, _record
+
+
+def _grid_report():
+    """benchmarks/skill_grid_report.py as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "skill_grid_report.py"
+    spec = importlib.util.spec_from_file_location("skill_grid_report", script)
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    return report
+
+
+def test_a_run_published_without_its_calls_stands_at_its_arms_mean():
+    """The figure's dots: calls from the training curve; a run without one at its arm's logged mean."""
+    report = _grid_report()
+    records = {
+        f"skill-seed{s}": {"config": {"seed": s}, "curve": {"nfe": [n / 2, n]}}
+        for s, n in ((10, 2e6), (11, 4e6))
+    }
+    records["skill-seed12"] = {"config": {"seed": 12}}  # published before runs carried their curve
+    arm = {
+        "seeds": [10, 11, 12],
+        "per_seed": {s: {"strict": {"overall": v}} for s, v in ((10, 0.3), (11, 0.4), (12, 0.5))},
+    }
+    points = report.run_points("skill", arm, records, base=0.2)
+    assert [(x, round(y, 9), logged) for x, y, logged in points] == [
+        (2.0, 0.1, True),
+        (4.0, 0.2, True),
+        (3.0, 0.3, False),
+    ]
+    assert report.run_points("skill", arm, {}, base=0.2) == []  # no run logged its calls: no dots
+
+
+def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch):
+    import json
+    import sys
+
+    from PIL import Image
+
+    report = _grid_report()
+    records = {"base-heldout": _record(0.2), "skill-seed10": _record(0.3), "skill-tp-seed10": _record(0.36)}
+    records["skill-seed10"]["curve"] = {"iteration": [1, 2], "reward": [0.2, 0.4], "nfe": [960, 1920]}
+    (tmp_path / "runs").mkdir()
+    for name, rec in records.items():
+        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(rec))
+    monkeypatch.setattr(
+        report, "load_prompts", lambda split: [{"prompt": p, "category": c} for p, c in CATS.items()]
+    )
+    monkeypatch.setattr(report, "CATEGORIES", ("colors", "counting"))
+    monkeypatch.setattr(report, "PARTS", ("overall", "per_image", "colors", "counting"))
+    parked = tmp_path / "inflight" / "skill-tp-seed11"
+    (parked / "checkpoint").mkdir(parents=True)
+    (parked / "checkpoint" / "state.json").write_text(json.dumps({"iteration": 12}))
+    (parked / "config.json").write_text(json.dumps({"iterations": 450}))
+    stale = tmp_path / "inflight" / "skill-tp-seed10"  # parked once, finished since: not "parked"
+    (stale / "checkpoint").mkdir(parents=True)
+    (stale / "checkpoint" / "state.json").write_text(json.dumps({"iteration": 191}))
+    (stale / "config.json").write_text(json.dumps({"iterations": 450}))
+    times = {"cpu": {"model": "AMD EPYC"}, "threads": 2, "arms": {"skill": 5.0, "tp": 10.5}}
+    (tmp_path / "iteration_times.json").write_text(json.dumps(times))  # skill_rate.py --arms --out
+    monkeypatch.setattr(sys, "argv", ["skill_grid_report.py", str(tmp_path)])
+    report.main()
+    rep = json.loads((tmp_path / "results.json").read_text())
+    assert (
+        "side in one run (`benchmarks/skill_rate.py --arms`, best of its repeats; AMD EPYC,"
+        in (tmp_path / "table.md").read_text()
+    )
+    ratios = [report.time_ratio(arm, times) for arm in ("skill", "skill-tp", "skill-dense")]
+    assert ratios == ["1.00×", "2.10×", ""]
+    assert report.time_ratio("skill-tp", times, 1 / 3) == "2.10× (0.70× per run)"
+    assert rep["paired"]["skill-tp"]["diff"]["strict/overall"][0] == pytest.approx(0.06)
+    assert "| skill-tp | 10 | +0.060 (one seed)" in (tmp_path / "table.md").read_text()
+    assert "Finished and evaluated: skill-seed10, skill-tp-seed10." in (tmp_path / "table.md").read_text()
+    assert (
+        "resumable (docs/benchmarks.md): skill-tp-seed11 (checkpoint at iteration 12 of 450)."
+        in (tmp_path / "table.md").read_text()
+    )
+    assert Image.open(tmp_path / "compare.png").size[0] > 500
+    assert Image.open(tmp_path / "curves.png").size[0] > 500
+    assert report._smooth([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
