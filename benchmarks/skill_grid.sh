@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The skill grid on the CPU, in the order of its issue (docs/benchmarks.md, "The skill comparison"):
-# DenseGRPO with one-step values ×4, Stepwise ×4, TP-GRPO at equal NFE seed 13, DenseGRPO's credit
-# rule and its sampler apart ×2, DenseGRPO with ODE values ×4, seeds 14–17 (Flow-GRPO, TP-GRPO, and
+# DenseGRPO with one-step values ×4, Stepwise ×4, TP-GRPO at equal NFE seed 13, DenseGRPO with ODE
+# values ×4 (issue 56: first), DenseGRPO's credit rule and its sampler apart ×2, seeds 14–17 (Flow-GRPO, TP-GRPO, and
 # each new arm still inconclusive), then the newer methods ×2
 # as a CPU cross-check (issue 39: their first look ran on a GPU on 2026-12-04,
 # benchmarks/results/skill_compare_gpu; GPU and CPU runs are never pooled). Resumable: finished runs
@@ -19,8 +19,8 @@ bench() {  # ARMS SEEDS
 bench dense_euler1 10,11,12,13
 bench stepwise 10,11,12,13
 bench tp_equal_nfe 13
+bench dense 10,11,12,13   # DenseGRPO as published: first in the third round (issue 56)
 bench dense_euler1_cps,dance_psi 10,11   # which of dense_euler1's two changes costs the score
-bench dense 10,11,12,13
 bench tp 14,15,16,17
 # seeds 14–17 for each new arm whose primary verdict is still inconclusive at n = 4 (issue 37's rule)
 more=$("$PY" benchmarks/skill_grid_plan.py --straddling dense_euler1,stepwise,dense,tp_equal_nfe \

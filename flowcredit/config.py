@@ -196,6 +196,8 @@ class Config:
     """Seed of the evaluation noise (fixed for the whole run)."""
     save_every: int = 1
     """Write a checkpoint every k iterations."""
+    snapshot_every: int = 0
+    """Keep the exported weights every k iterations in run_dir/snapshots/iteration-K (0: none)."""
     # --- scale-out: tracker, memory, compilation (docs/gpu.md) ---
     log_with: str = "tensorboard"
     """Tracker beside metrics.jsonl (always written): 'tensorboard' (run_dir/tb), 'wandb' (scalars,

@@ -33,7 +33,7 @@ from flowcredit.run.calibrate import ensure_psi
 from flowcredit.run.evaluation import evaluate_policy
 from flowcredit.run.forward_update import forward_update, step_old_policy
 from flowcredit.run.micro_batches import UpdateStats, micro_batches, param_spread
-from flowcredit.run.outputs import final_artifacts
+from flowcredit.run.outputs import export_final, final_artifacts
 from flowcredit.run.plans import iteration_plan, levels_of, sample
 from flowcredit.run.rollout import needed_states, seeded, state_values, uncond_given
 from flowcredit.run.runlog import RunLog, plot_curves
@@ -258,6 +258,8 @@ def end_iteration(s: Session, log: RunLog | None, metrics: dict, done: int, last
         log.log(done, metrics, {"time/iteration_s": time.time() - t0, **timings})
     if done % cfg.save_every == 0 or last:
         s.save(done)  # rank 0 writes (FSDP: every rank gathers)
+    if cfg.snapshot_every and done % cfg.snapshot_every == 0 and not last:  # final/ holds the last
+        export_final(s, s.run_dir / "snapshots" / f"iteration-{done:04d}")
 
 
 def train(

@@ -225,6 +225,7 @@ def validate(cfg: Config) -> Config:
     _check(0.0 <= cfg.ema_decay < 1.0, "ema_decay", "must be in [0, 1)")
     _check(cfg.steps_per_update >= 1, "steps_per_update", "must be >= 1")
     _check(cfg.iterations >= 0, "iterations", "must be >= 0")
+    _check(cfg.snapshot_every >= 0, "snapshot_every", "must be >= 0 (0: no snapshots)")
     start, size = trained_window(cfg)
     _check(0 <= start < cfg.num_steps, "window_start", f"must lie in [0, {cfg.num_steps})")
     _check(

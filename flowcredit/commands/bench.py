@@ -166,6 +166,10 @@ def plan_cells(args, rest: list[str]) -> list[dict]:
                 extra = extra(load_config(preset, None, common))
             name = f"{preset}-{ablation}"
             cells.append({"name": name, "preset": preset, "ablation": ablation, "overrides": common + extra})
+    if args.task == "skill":  # the EMA weights at half the run too, for later evaluations (issue 56)
+        for cell in cells:
+            iterations = load_config(cell["preset"], None, cell["overrides"]).iterations
+            cell["overrides"] = [*cell["overrides"], "--snapshot_every", str(max(1, iterations // 2))]
     return cells
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from pathlib import Path
 
 from safetensors.torch import save_file
 
@@ -28,15 +29,16 @@ def final_artifacts(s, elapsed: float, stopped_early: str | None = None) -> dict
     return summary
 
 
-def export_final(s) -> None:
-    """``final/``: the trainable tensors, plus the adapter's own export; the EMA weights when
-    ``ema_decay`` is set (the weights the evaluations measured). Under FSDP each rank swaps in its
-    EMA shards, then rank 0 writes the gathered weights (``Dist.unsharded``)."""
+def export_final(s, final: Path | None = None) -> None:
+    """``final/`` (or ``final``, a snapshot's folder): the trainable tensors, plus the adapter's own
+    export; the EMA weights when ``ema_decay`` is set (the weights the evaluations measured). Under
+    FSDP each rank swaps in its EMA shards, then rank 0 writes the gathered weights
+    (``Dist.unsharded``)."""
     with s.ema.applied() if s.ema is not None else contextlib.nullcontext(), s.dist.unsharded(s.model):
         if not s.dist.is_main:
             return
-        final = s.run_dir / "final"
-        final.mkdir(exist_ok=True)
+        final = s.run_dir / "final" if final is None else final
+        final.mkdir(parents=True, exist_ok=True)
         save_file(
             {k: v.contiguous() for k, v in s.policy.trainable_state().items()},
             str(final / "trainable.safetensors"),

@@ -16,6 +16,50 @@ import uuid
 from pathlib import Path
 
 WANDB_ID = "wandb_id.txt"
+PROVENANCE = "provenance.jsonl"
+
+
+def provenance(iteration: int, threads: int, device: str = "cpu") -> dict:
+    """Where and with what a run (re)starts at ``iteration`` on ``device``: its name (the GPU's model
+    on a CUDA device, else the CPU's model string), torch's version, the torch threads, the library's
+    git commit (None outside a git checkout; ``dirty``: uncommitted changes under flowcredit/) and
+    the UTC time."""
+    import platform
+    import subprocess
+    import time
+
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            lines = Path("/proc/cpuinfo").read_text().splitlines()
+            name = next(ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+    source = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str | None:
+        try:
+            argv = ["git", "-C", str(source), *args]
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no", "--", "flowcredit")) if commit else None
+    return {
+        "iteration": iteration,
+        "device": name,
+        "torch": torch.__version__,
+        "threads": threads or torch.get_num_threads(),
+        "commit": commit,
+        "dirty": dirty,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 def make_tracker(log_with: str, run_dir: Path, config: dict | None):
@@ -70,6 +114,10 @@ class RunLog:
             for path in (self.metrics_path, self.timings_path):
                 _truncate_after(path, resume_iteration)
         self.tracker = make_tracker(log_with, self.run_dir, config)
+        with open(self.run_dir / PROVENANCE, "a") as fh:  # one line per start or resume
+            cfg = config or {}
+            where = provenance(resume_iteration or 0, cfg.get("threads", 0), cfg.get("device", "cpu"))
+            fh.write(json.dumps(where, sort_keys=True) + "\n")
 
     @property
     def wants_images(self) -> bool:
