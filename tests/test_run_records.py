@@ -47,3 +47,37 @@ def test_provenance_line_per_start(tmp_path):
 def test_snapshot_every_negative_names_the_field(tmp_path):
     with pytest.raises(ConfigError, match="snapshot_every"):
         small_config("flow_grpo", tmp_path / "r", snapshot_every=-1)
+
+
+
+def _weights(config=None, checkpoint=None):
+    from types import SimpleNamespace
+
+    from flowcredit.commands.eval import config_from_args, load_for_cli
+
+    flags = dict(model=None, resolution=None, dtype=None, frames=None, device=None)
+    args = SimpleNamespace(config=config and str(config), checkpoint=checkpoint and str(checkpoint), **flags)
+    return load_for_cli(*config_from_args(args)).net.state_dict()
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
+def test_published_weights_load_as_the_run(tmp_path):
+    """A published run keeps only its trained tensors (~270 KB, not the 3.7 MB merged checkpoint);
+    loaded for evaluation they are bit for bit the run's own export, at the end and mid-run."""
+    from flowcredit.commands.bench_skill import publish
+
+    run = _run(tmp_path, "runs/r", iterations=2, snapshot_every=1)
+    record = json.loads(publish(run, tmp_path / "pub").read_text())
+    assert [p["iteration"] for p in record["provenance"]] == [0]
+    published = tmp_path / "pub" / "r"
+    assert sorted(p.name for p in published.iterdir()) == ["config.json", "final", "iteration-0001"]
+    assert [p.name for p in (published / "final").iterdir()] == ["trainable.safetensors"]
+    own, again = _weights(config=run / "config.json"), _weights(config=published / "config.json")
+    base = _weights(checkpoint=tmp_path / "model")
+    assert _same(own, again) and not _same(own, base)
+    mid_own = _weights(checkpoint=run / "snapshots/iteration-0001")
+    mid_again = _weights(checkpoint=published / "iteration-0001")
+    assert _same(mid_own, mid_again) and not _same(mid_own, own)

@@ -32,7 +32,7 @@ from flowcredit.commands.bench_skill_report import (  # noqa: F401 (the report, 
 from flowcredit.config import Config
 from flowcredit.errors import UserError
 from flowcredit.presets import load_config
-from flowcredit.run.runlog import read_iteration_seconds, read_metrics
+from flowcredit.run.runlog import PROVENANCE, read_iteration_seconds, read_metrics
 
 FINAL_EVAL_SEEDS = (7001, 7002)
 """Noise seeds of the final held-out evaluation, used for nothing else."""
@@ -274,11 +274,37 @@ def publish(run_dir: Path, dest: Path) -> Path:
         calibration = json.loads(calibrated.read_text())
         record["calibration"] = {k: calibration[k] for k in ("iterations", "converged", "psi")}
         record["calibration"]["shared"] = bool(shared)
+    if (run_dir / PROVENANCE).is_file():  # where each start or resume of the run ran
+        lines = (run_dir / PROVENANCE).read_text().splitlines()
+        record["provenance"] = [json.loads(ln) for ln in lines if ln.strip()]
     record = relative_paths(record, run_dir.parent)
     dest.mkdir(parents=True, exist_ok=True)
+    publish_weights(run_dir, dest / run_dir.name)
     target = dest / f"{run_dir.name}.json"
     target.write_text(json.dumps(record) + "\n")
     return target
+
+
+def publish_weights(run_dir: Path, dest: Path) -> list[Path]:
+    """Copy the run's trained tensors (the EMA weights: ``final/`` and every ``snapshots/iteration-K``,
+    ``trainable.safetensors`` only, about 270 KB each on the built-in model) and its ``config.json`` to
+    ``dest/final``, ``dest/iteration-K`` and ``dest/config.json``: ``flowcredit eval --config
+    dest/config.json`` (or ``--checkpoint dest/iteration-K``) evaluates them again without retraining.
+    Returns the weight files written (none for a run without ``final/``)."""
+    sources = [run_dir / "final", *sorted((run_dir / "snapshots").glob("iteration-*"))]
+    sources = [p for p in sources if (p / "trainable.safetensors").is_file()]
+    written = []
+    for source in sources:
+        target = dest / source.name
+        target.mkdir(parents=True, exist_ok=True)
+        tmp = target / "trainable.safetensors.tmp"
+        shutil.copyfile(source / "trainable.safetensors", tmp)
+        tmp.replace(target / "trainable.safetensors")
+        written.append(target / "trainable.safetensors")
+    if written:
+        config = relative_paths(json.loads((run_dir / "config.json").read_text()), run_dir.parent)
+        (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return written
 
 
 # --- what the bench does around each run ---------------------------------------------------------

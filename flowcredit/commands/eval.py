@@ -22,6 +22,7 @@ from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
 from flowcredit.models import load_model
 from flowcredit.models.diffusers_checkpoint import is_run_final
+from flowcredit.run.policy import apply_trained
 from flowcredit.rewards import check_metadata, uses_shapeeval
 from flowcredit.run.evaluation import (
     evaluate,
@@ -62,12 +63,24 @@ def run_final(args) -> Path | None:
     a diffusers run (a LoRA or ``transformer/`` export, its base model named in ``RUN/config.json``),
     or ``RUN/final`` beside ``--config RUN/config.json`` when no ``--checkpoint`` is given."""
     if args.checkpoint is not None:
-        return Path(args.checkpoint) if is_run_final(args.checkpoint) else None
+        return Path(args.checkpoint) if is_run_final(args.checkpoint) or _tensors_only(args.checkpoint) else None
     if args.config:
         final = Path(args.config).parent / "final"
         if (final / "trainable.safetensors").is_file():
             return final
     return None
+
+
+def _tensors_only(path: str | Path) -> bool:
+    """A published run's weights (``benchmarks/results/*/runs/<run>/final`` or ``…/iteration-K``):
+    ``trainable.safetensors`` alone, the run's ``config.json`` one level up."""
+    path = Path(path)
+    return (
+        (path / "trainable.safetensors").is_file()
+        and (path.parent / "config.json").is_file()
+        and not any((path / name).exists() for name in ("model.safetensors", "transformer"))
+        and not is_run_final(path)
+    )
 
 
 def config_from_args(args) -> tuple[Config, Path | None]:
@@ -94,15 +107,17 @@ def config_from_args(args) -> tuple[Config, Path | None]:
     for key, value in flags.items():
         if value is not None:
             setattr(cfg, key, value)
-    if final is not None and cfg.model == "tiny":  # the tiny model's final/ is a whole checkpoint
-        cfg.checkpoint, final = str(final), None
+    if final is not None and cfg.model == "tiny" and not _tensors_only(final):
+        cfg.checkpoint, final = str(final), None  # the tiny model's final/ is a whole checkpoint
     return validate(cfg), final
 
 
 def load_for_cli(cfg: Config, final: Path | None):
     """The adapter of ``cfg``, with a run's trained ``final/`` applied; says which weights it uses."""
     model = load_model(cfg)
-    if final is not None:
+    if final is not None and _tensors_only(final):  # a published run: its trained tensors merged in
+        apply_trained(model, final)
+    elif final is not None:
         if not hasattr(model, "load_trained"):
             raise UserError(f"{final}: the {cfg.model!r} adapter cannot load a run's trained weights")
         model.load_trained(final)

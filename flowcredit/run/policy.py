@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -173,6 +174,25 @@ class Policy:
                 continue
             out[name.replace(".base_layer.", ".")] = value.detach().cpu().contiguous()
         return out
+
+
+def apply_trained(model, trained: Path) -> None:
+    """Merge a run's trained tensors (``trained/trainable.safetensors``: its LoRA, or whatever its
+    ``train_params`` trained) into ``model``'s base weights in place, as the run's own export merged
+    them; the run's ``config.json`` one level up names the LoRA (rank, alpha, targets, seed). What a
+    published run keeps instead of its whole exported checkpoint (about 270 KB on the built-in model)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    run_cfg = json.loads((Path(trained).parent / "config.json").read_text())
+    keys = ("train_params", "lora_rank", "lora_alpha", "lora_targets")
+    policy = Policy(model, *(run_cfg[k] for k in keys), seed=run_cfg["seed"])
+    policy.load_trainable_state(load_file(str(Path(trained) / "trainable.safetensors")))
+    merged = policy.merged_state_dict()
+    model.net = type(model)(model.config).net
+    model.net.load_state_dict(merged)
+    model.net.requires_grad_(False)
 
 
 class EMA:
