@@ -49,7 +49,6 @@ def test_snapshot_every_negative_names_the_field(tmp_path):
         small_config("flow_grpo", tmp_path / "r", snapshot_every=-1)
 
 
-
 def _weights(config=None, checkpoint=None):
     from types import SimpleNamespace
 

@@ -22,7 +22,6 @@ from flowcredit.config import Config, from_dict
 from flowcredit.errors import UserError
 from flowcredit.models import load_model
 from flowcredit.models.diffusers_checkpoint import is_run_final
-from flowcredit.run.policy import apply_trained
 from flowcredit.rewards import check_metadata, uses_shapeeval
 from flowcredit.run.evaluation import (
     evaluate,
@@ -32,6 +31,7 @@ from flowcredit.run.evaluation import (
     sample,
     seed_summary,
 )
+from flowcredit.run.policy import apply_trained
 from flowcredit.run.session import build_reward
 from flowcredit.tasks import shapes
 from flowcredit.tasks.prompt_sets import read_prompts
@@ -63,7 +63,8 @@ def run_final(args) -> Path | None:
     a diffusers run (a LoRA or ``transformer/`` export, its base model named in ``RUN/config.json``),
     or ``RUN/final`` beside ``--config RUN/config.json`` when no ``--checkpoint`` is given."""
     if args.checkpoint is not None:
-        return Path(args.checkpoint) if is_run_final(args.checkpoint) or _tensors_only(args.checkpoint) else None
+        trained = is_run_final(args.checkpoint) or _tensors_only(args.checkpoint)
+        return Path(args.checkpoint) if trained else None
     if args.config:
         final = Path(args.config).parent / "final"
         if (final / "trainable.safetensors").is_file():
