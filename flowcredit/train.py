@@ -9,7 +9,11 @@ Methods differ only by what they pick from the registries (``SAMPLERS[cfg.sample
 1. The update visits trained steps in a random order, one step (all rows) per micro-batch, with the
    rollout's batch geometry, so the first ratio is exactly 1; ``steps_per_update`` steps are
    accumulated per optimizer step (Flow-GRPO accumulates over all timesteps).
-2. Groups whose advantages are all zero are dropped before the update (no gradient, no compute).
+2. Groups whose advantages are all zero are dropped before the update when the update rule says a
+   row with advantage 0 adds no gradient (``Update.drops_zero_advantage``: the clipped surrogates,
+   whose ``A·r`` is 0 there). AWM and DiffusionNFT keep them, as both codes do: once θ ≠
+   the old policy, AWM's ``old_beta`` KL and DiffusionNFT's ``r = ½`` term carry a gradient at
+   advantage 0, and their loss is a mean over the whole batch. Groups with a bad reward are dropped.
 3. Random draws come from generators seeded by ``(seed, iteration, purpose)``: resuming is exact.
 """
 
@@ -70,7 +74,8 @@ def grpo_iteration(s: Session, it: int) -> dict:
         adv = torch.where(sam.row_trained, adv, torch.zeros_like(adv))
     bad_groups = torch.unique(sam.norm_group[~ok])
     live_groups = torch.unique(sam.norm_group[(adv != 0).any(dim=1)])
-    keep = torch.nonzero(torch.isin(sam.norm_group, live_groups), as_tuple=True)[0]
+    trains = torch.isin(sam.norm_group, live_groups) if s.update.drops_zero_advantage else ok  # (B,)
+    keep = torch.nonzero(trains, as_tuple=True)[0]
     with clock("update"):
         if s.update.forward:
             adv_row = adv[:, trained.nonzero()[0, 0]]  # (B,) one advantage per sample (flow_grpo)

@@ -112,6 +112,12 @@ class Update:
             the old policy becomes ``η·old + (1 − η)·θ``. None: the old policy is the rollout's.
         samples_with: ``"current"`` (the rollout samples with θ) or ``"old"`` (with the old policy).
         check: ``(options) -> None``, raises ``ValueError`` naming a bad option value.
+        drops_zero_advantage: True if a row whose advantage is 0 adds no gradient at any θ, so the
+            loop may drop the groups whose advantages are all zero before the update (the clipped
+            surrogates: ``A·r`` is 0). False (the default, always correct) keeps every row of a group
+            with valid rewards: AWM's ``old_beta`` KL and DiffusionNFT's ``r = ½`` branches pull θ
+            toward the old policy at advantage 0 once θ ≠ old, and the loss's mean runs over the
+            whole batch, as in both authors' codes.
     """
 
     fn: UpdateFn
@@ -122,6 +128,7 @@ class Update:
     old_decay: Callable[..., float] | None = None
     samples_with: str = "current"
     check: Callable[[Mapping[str, object]], None] | None = None
+    drops_zero_advantage: bool = False
 
     @property
     def forward(self) -> bool:
@@ -161,6 +168,7 @@ def register_update(
     old_decay: Callable[..., float] | None = None,
     samples_with: str = "current",
     check: Callable[[Mapping[str, object]], None] | None = None,
+    drops_zero_advantage: bool = False,
 ) -> Update:
     """Register an update rule under ``name``; returns its entry. Raises ``ValueError`` for a taken
     name, an unknown or inconsistent ``needs``, or a keyword that no function of the entry accepts."""
@@ -192,7 +200,7 @@ def register_update(
             raise bad(f"no function of the entry takes the option {key!r}")
     if set(fields) - set(options):
         raise bad(f"fields name options it does not have: {sorted(set(fields) - set(options))}")
-    entry = Update(fn, needs, options, fields, times, old_decay, samples_with, check)
+    entry = Update(fn, needs, options, fields, times, old_decay, samples_with, check, drops_zero_advantage)
     UPDATES[name] = entry
     return entry
 
@@ -266,10 +274,24 @@ def _checker(**choices: tuple[str, ...]) -> Callable[[Mapping[str, object]], Non
 _FORWARD = ("clean", "noise", "time", "velocity", "old_velocity")
 _OLD = {"old_decay_rate": 0.001, "old_decay_flat": 0}  # + old_decay_max: the soft update of the old policy
 
+# the clipped surrogates: a row with A = 0 adds no gradient, so the loop drops all-zero groups
 register_update(
-    "clipped", clipped, ("logp",), {"clip_range": 1e-3}, fields={"clip_range": "clip_range"}, check=_checker()
+    "clipped",
+    clipped,
+    ("logp",),
+    {"clip_range": 1e-3},
+    fields={"clip_range": "clip_range"},
+    check=_checker(),
+    drops_zero_advantage=True,
 )
-register_update("ratio_norm", ratio_norm, ("logp", "mean"), {"clip_range": 2e-6}, check=_checker())
+register_update(
+    "ratio_norm",
+    ratio_norm,
+    ("logp", "mean"),
+    {"clip_range": 2e-6},
+    check=_checker(),
+    drops_zero_advantage=True,
+)
 _AWM = {"weighting": "ghuber", "power": 0.25, "adv_scale": 5.0, "old_beta": 1.0, "time_draws": 6}
 _AWM.update({"time_fraction": 0.9, "time_from_first": False, "old_decay_max": 0.3, **_OLD})
 _NFT = {

@@ -1,8 +1,8 @@
 """The newer methods' update rules in the loop (issue 39), each checked against a computation written
 out here (the sampler: ``glue_probes``): GRPO-Guard's ratio against the sampler's mean and a re-scoring
 through the model; the forward-process update (AWM, DiffusionNFT) against the rule's loss at the draws
-reproduced from the iteration's generator; and the old policy (its soft update, DiffusionNFT's sampling
-with it).
+reproduced from the iteration's generator; the old policy (its soft update, DiffusionNFT's sampling
+with it); and which rules train on groups whose advantages are all zero (issue 53).
 
 Sizes: 4 steps σ = 1, .75, .5, .25, 0 (shift 1), 2 groups of 2 rows (one test: the small run's sizes).
 """
@@ -21,13 +21,14 @@ from glue_probes import (
     flow_std,
     gauss_logp,
     grads_at_optimizer_steps,
+    grads_far,
     perturb_old,
     rollout_of,
     session,
     velocity,
     weights,
 )
-from loop_probes import perturb_lora, small_session
+from loop_probes import perturb_lora, record_iteration, small_session
 
 import flowcredit.run.forward_update as fu
 import flowcredit.train as loop
@@ -252,3 +253,79 @@ def test_diffusion_nft_rolls_out_with_the_old_policy(tmp_path, monkeypatch):
     got = seen["ro"].states[:, -1]
     torch.testing.assert_close(got, finals[0])
     assert (got - finals[1]).abs().max() > 1e-3
+
+
+# --- 6. groups whose advantages are all zero (issue 53) -------------------------------------------------
+
+
+def zero_first_group(monkeypatch) -> None:
+    """The loop's advantages, set to 0 on normalisation group 0 (rewards that tie), the others' kept."""
+    real = loop.advantages
+
+    def tied(s, values, group, *args):
+        adv, ok = real(s, values, group, *args)
+        return torch.where((group == 0)[:, None], torch.zeros_like(adv), adv), ok
+
+    monkeypatch.setattr(loop, "advantages", tied)
+
+
+def rule_grad(s, fn, old, point, adv, cond, rows) -> list[torch.Tensor]:
+    """The gradient of ``fn`` (a mean over ``rows``) at the time draws ``point = (clean, times, noise)``,
+    averaged over the draws, with the old policy's weights ``old`` for ``v_old``."""
+    clean, times, noise = point
+    out = [torch.zeros_like(p) for p in s.params]
+    for k in range(len(times)):
+        t, eps, x0, c = times[k, rows], noise[k, rows], clean[rows], cond[rows]
+        x_t = (1 - t.view(-1, 1, 1, 1)) * x0 + t.view(-1, 1, 1, 1) * eps
+        with torch.no_grad(), weights(s, old):
+            v_old = velocity(s, x_t, t, c)
+        loss = fn(v_theta=velocity(s, x_t, t, c), v_old=v_old, clean=x0, noise=eps, t=t, adv=adv[rows])
+        for o, g in zip(out, torch.autograd.grad(loss, s.params)):
+            o += g / len(times)
+    return out
+
+
+@pytest.mark.parametrize("rule", sorted(FORWARD))
+def test_forward_rules_train_on_groups_whose_advantages_are_all_zero(rule, tmp_path, monkeypatch):
+    """θ ≠ the old policy and group 0's advantages all 0 (rows 0, 1): the iteration's gradient is that of
+    the rule's loss over all 4 rows, as both authors' codes train (AWM's ``old_beta`` KL, DiffusionNFT's
+    ``r = ½`` branches pull θ toward the old policy at A = 0). Rows 0–1 add a gradient of their own,
+    and the gradient of rows 2–3 alone (the loop before 2026-12-06: mean over 2 rows) is far from it."""
+    preset, extra, fn, times_of = FORWARD[rule]
+    it = 1
+    s = session(preset, tmp_path, steps_per_update=8, **extra)
+    old = perturb_old(s)
+    zero_first_group(monkeypatch)
+    seen, handed = grads_at_optimizer_steps(s), {}
+    real_update = loop.forward_update
+
+    def record(s_, ro, adv, prompts, group, keep, *rest):
+        handed.update(clean=ro.states[:, -1].clone(), adv=adv.clone(), group=group.clone(), keep=keep.clone())
+        return real_update(s_, ro, adv, prompts, group, keep, *rest)
+
+    monkeypatch.setattr(loop, "forward_update", record)
+    loop.grpo_iteration(s, it)
+    adv, group = handed["adv"], handed["group"]
+    assert group.tolist() == [0, 0, 1, 1] and (adv[:2] == 0).all() and (adv[2:] != 0).all()
+    assert handed["keep"].tolist() == [0, 1, 2, 3]
+
+    b = len(group)
+    gen = seeded(s.cfg.seed, it, 3)
+    times = times_of(s.sigmas, b, gen)  # (K, b)
+    point = (handed["clean"], times, torch.randn((len(times), b, *s.model.latent_shape), generator=gen))
+    with torch.no_grad():
+        cond = s.model.encode(s.draw(it).prompts)[group]
+    want = rule_grad(s, fn, old, point, adv, cond, torch.arange(4))
+    assert_grads_close(seen[0], want)
+    zero_rows = rule_grad(s, fn, old, point, adv, cond, torch.arange(2))  # rows 0–1's own (× ½ in `want`)
+    assert max(z.abs().max().item() for z in zero_rows) > 0.05 * max(w.abs().max().item() for w in want)
+    assert grads_far(seen[0], rule_grad(s, fn, old, point, adv, cond, torch.arange(2, 4)))
+
+
+@pytest.mark.parametrize("preset", ["flow_grpo", "grpo_guard"])
+def test_clipped_surrogates_drop_groups_whose_advantages_are_all_zero(preset, tmp_path, monkeypatch):
+    """``clipped`` and ``ratio_norm`` (A·r = 0 at A = 0): the update gets group 1's rows only."""
+    s = session(preset, tmp_path)
+    zero_first_group(monkeypatch)
+    seen, _ = record_iteration(s, monkeypatch)
+    assert seen["group"].tolist() == [0, 0, 1, 1] and seen["keep"].tolist() == [2, 3]
