@@ -164,3 +164,54 @@ def test_bad_shapes_raise():
         ADVANTAGES["dense"](torch.zeros(2, 4), torch.tensor([0, 0]), torch.tensor([T, T]))
     with pytest.raises(ValueError, match="group"):
         ADVANTAGES["dense"](torch.zeros(2, 4), torch.tensor([0]), torch.tensor([T, T, T]))
+
+
+# issue 54: a zero gain is not "against the trend", so the step after it is no turning point.
+# Z: d = [0, .2, .2, 0], Δ = V_4 − V_0 = +.4, s = [0, +, +, 0]: s_0 = 0 is not < 0, so step 1 is no TP
+#    (constrained it would pass: sign(d_1) = sign(V_4 − V_2) = +).
+# A: d = [−.1, .3, .2, 0], Δ = +.4, s = [−, +, +, 0]: step 1 is a TP (consistent: V_4 − V_2 = +.2),
+#    agg = V_4 − V_1 = .5.  F: flat, never a TP.
+ZERO_GAIN = _t([[0.5, 0.5, 0.7, 0.9, 0.9], [0.5, 0.4, 0.7, 0.9, 0.9], [0.5, 0.5, 0.5, 0.5, 0.5]])
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_a_zero_gain_before_a_with_trend_gain_is_no_turning_point(constrained):
+    tp = turning_points(ZERO_GAIN, torch.tensor([T, T, T, T]), constrained=constrained)
+    expected = torch.zeros(3, 4, dtype=torch.bool)
+    expected[1, 1] = True  # A alone; Z's step 1 follows a zero gain
+    assert torch.equal(tp, expected)
+
+
+def test_a_zero_gain_keeps_its_successors_step_reward():
+    adv = ADVANTAGES["turning_point"](ZERO_GAIN, torch.tensor([0, 0, 0]), torch.tensor([T, T, T, T]))
+    # step 1 rewards [d .2 (Z), agg .5 (A), 0 (F)]: mean 7/30, std √(114/2700) = .2054805
+    # → z = [−1/30, 8/30, −7/30] / .2055805 (had Z's step 1 been a TP: [.4, .5, 0] → [.463, .925, −1.388])
+    torch.testing.assert_close(adv[:, 1], _t([-0.1621425, 1.2971401, -1.1349976]), rtol=0, atol=1e-5)
+
+
+# issue 54: the trend is V_N − V_w from the window's start w, not V_0. Window = steps 2, 3, 4.
+# P: V = [.9, .7, .3, .2, .5, .6], d = [−.2, −.4, −.1, .3, .1]; Δ = V_5 − V_2 = +.3 (but V_5 − V_0 = −.3)
+#    s = [−, +, +] on steps 2, 3, 4: step 3 is a TP (consistent: V_5 − V_4 = +.1), agg = V_5 − V_3 = .4;
+#    step 2 is none (constrained: sign(d_2) = − ≠ sign(V_5 − V_3) = +; unconstrained: s_2 < 0).
+#    Measured from V_0 the signs would be s = [+, −, −]: no TP at 3, and unconstrained a TP at 2.
+# Q: d = [0, 0, 0, .1, 0]: s_2 = 0, no TP.  F: flat.
+LATE_WINDOW = _t(
+    [[0.9, 0.7, 0.3, 0.2, 0.5, 0.6], [0.5, 0.5, 0.5, 0.5, 0.6, 0.6], [0.5, 0.5, 0.5, 0.5, 0.5, 0.5]]
+)
+LATE_TRAINED = torch.tensor([F, F, T, T, T])
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_the_trend_is_measured_from_the_windows_start(constrained):
+    tp = turning_points(LATE_WINDOW, LATE_TRAINED, constrained=constrained)
+    expected = torch.zeros(3, 5, dtype=torch.bool)
+    expected[0, 3] = True
+    assert torch.equal(tp, expected)
+
+
+def test_a_late_window_turning_point_gets_its_aggregated_reward():
+    adv = ADVANTAGES["turning_point"](LATE_WINDOW, torch.tensor([0, 0, 0]), LATE_TRAINED)
+    # step 3 rewards [agg .4 (P), d .1 (Q), 0 (F)]: mean 1/6, std √(.0866667/3) = .1699673
+    # → z = [.2333333, −.0666667, −.1666667] / .1700673 (with P's d .3 instead: [1.335, −.267, −1.068])
+    torch.testing.assert_close(adv[:, 3], _t([1.3720057, -0.3920016, -0.9800041]), rtol=0, atol=1e-5)
+    assert torch.equal(adv[:, :2], torch.zeros(3, 2))

@@ -130,6 +130,24 @@ def test_one_flip_stops_on_a_noisy_round_three_flips_do_not():
     assert three.converged and abs(three.psi.item() - tau) <= 2 * eps2
 
 
+def test_psi_clamped_at_the_floor_after_moving_down_onto_it_counts_as_a_change_each_round():
+    """docs/algorithms.md §7: an update clamped at the floor eps2 after a decrease is a change of
+    direction, each round. All d > 0 (P = 4, Q = 0): every round asks ψ − eps2; eps2 = 0.25 and
+    ψ_0 = 0.375 are exact in binary. Round 1: 0.375 → max(0.125, 0.25) = 0.25, down onto the floor
+    (a decrease: the first update, no count); rounds 2 and 3: 0.25 stays (clamped after a decrease):
+    changes 1 and 2, so min_flips = 2 stops at round 3 (were the floor no change: the cap, 10)."""
+    res = calibrate(
+        lambda psi: torch.ones(4, 1),
+        torch.tensor([0.375]),
+        torch.tensor([True]),
+        eps2=0.25,
+        max_iters=10,
+        min_flips=2,
+    )
+    assert res.converged and res.iterations == 3 and res.flips == [2]
+    assert res.history == [[0.375], [0.25], [0.25], [0.25]] and res.psi.item() == 0.25
+
+
 def test_min_flips_must_be_positive():
     with pytest.raises(ValueError, match="min_flips"):
         calibrate(lambda psi: torch.ones(4, 1), torch.ones(1), torch.tensor([True]), min_flips=0)
