@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "sample": ("flowcredit.commands.eval", "main_sample", "sample images for a prompt"),
     "pretrain": ("flowcredit.commands.pretrain", "main", "pretrain the built-in tiny model"),
     "bench": ("flowcredit.commands.bench", "main", "compare credit-assignment methods"),
+    "audit": ("flowcredit.commands.audit", "main", "how well each credit rule tracks each step's effect"),
     "demo": ("flowcredit.commands.demo", "main", "the default CPU fine-tuning job (make demo)"),
     "serve-reward": ("flowcredit.rewards.server", "main", "serve a registered reward over HTTP"),
 }

@@ -1,0 +1,220 @@
+"""The credit audit's rollouts (``flowcredit audit``; the statistics: :mod:`flowcredit.credit_audit`).
+
+For one prompt group at a time: ``G`` trajectories of the policy's own sampler (its SDE window and
+noise levels, ODE elsewhere), Monte-Carlo values ``V̂(x_i)`` of their states from ``M`` completions
+each by that same sampler, and every audited credit rule's credit on the *same* trajectories, each
+with its own value estimates and normalisation (:data:`AUDIT_RULES`: the trainer's own code,
+:func:`flowcredit.run.rollout.state_values` and the rule's :data:`flowcredit.advantages.CREDITS`
+entry). A state whose remaining steps are all deterministic needs no completion: its value is the
+trajectory's own reward exactly (``V̂`` then repeats it ``M`` times).
+
+Cost per trajectory: ``Σ_i M_i · (N − i)`` network calls over the states ``i`` with a noisy step at or
+after them (``M · 40`` for the ``skill`` preset's window 0–4 of 10 steps), × 2 with CFG, plus each
+rule's own value calls. Every draw comes from generators the audit owns (seeded by ``seed`` and the
+group's index); the model's weights are only read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from flowcredit.advantages import CREDITS
+from flowcredit.config import Config
+from flowcredit.rewards.guard import ScoreFn
+from flowcredit.run.rollout import noise_levels, rollout, state_values
+from flowcredit.schedule import sigmas as schedule
+from flowcredit.sde import SAMPLERS
+from flowcredit.validation import apply_overrides, credit_options
+
+STEPWISE = ["--credit_options", '{"center": false}', "--estimator", "euler", "--substeps", "5"]
+AUDIT_RULES: dict[str, list[str]] = {
+    "flow_grpo": ["--credit", "flow_grpo"],
+    "dense": ["--credit", "dense", "--estimator", "ode_remaining"],
+    "dense_euler1": ["--credit", "dense", "--estimator", "euler", "--substeps", "1"],
+    "stepwise": ["--credit", "stepwise", *STEPWISE],
+    "turning_point": ["--credit", "turning_point", "--estimator", "ode_remaining"],
+}
+"""The audited rules as the skill grid trains them (``bench_skill.SKILL_ARMS``): Flow-GRPO's terminal
+reward; DenseGRPO's gains with ODE-completed values and with one-step values; Stepwise-Flow-GRPO's
+euler(5) gains normalised jointly, uncentred; TP-GRPO's turning points with ODE values. Every other
+registered credit method is audited too, with the config's own estimator (:func:`audit_rules`)."""
+
+
+def audit_rules(names: str = "all") -> dict[str, list[str]]:
+    """``{rule: overrides}``: :data:`AUDIT_RULES` plus every :data:`CREDITS` entry not among them;
+    ``names``: ``"all"`` or a comma list."""
+    rules = dict(AUDIT_RULES)
+    rules |= {name: ["--credit", name] for name in CREDITS if name not in rules}
+    if names == "all":
+        return rules
+    wanted = [n for n in names.split(",") if n]
+    unknown = [n for n in wanted if n not in rules]
+    if unknown:
+        from flowcredit.errors import ConfigError
+
+        raise ConfigError("rules", f"unknown audited rule(s) {unknown}; choose from {sorted(rules)}")
+    return {n: rules[n] for n in wanted}
+
+
+@dataclasses.dataclass
+class GroupAudit:
+    """One prompt group's audit: ``completions (G, N + 1, M)`` rewards, ``credit {rule: (G, N)}``,
+    the rules' value calls per trajectory ``nfe {rule: float}``, the Monte-Carlo calls per trajectory
+    ``mc_nfe``, ``trained (N,)``."""
+
+    completions: torch.Tensor
+    credit: dict[str, torch.Tensor]
+    nfe: dict[str, float]
+    mc_nfe: float
+    trained: torch.Tensor
+
+
+def mc_needed(levels: torch.Tensor) -> torch.Tensor:
+    """``(N + 1,)`` bool: the states with a noisy step at or after them (their value needs completions;
+    every other state's value is the trajectory's own final reward)."""
+    noisy_after = (levels > 0).flip(0).cumsum(0).flip(0) > 0  # (N,)
+    return torch.cat([noisy_after, torch.zeros(1, dtype=torch.bool)])
+
+
+@torch.no_grad()
+def mc_completions(model, cond, group, states, sigmas, levels, step_fn, score, m, generator, batch_size):
+    """``(B, N + 1, max M)`` rewards: state ``i`` of each trajectory completed ``m[i]`` times by the
+    sampler (``levels (N,)``, ``step_fn``), the final state scored as is; a state that needs no
+    completion (:func:`mc_needed`) repeats its successor's rewards. Returns ``(rewards, calls)`` with
+    ``calls`` the model rows run (× CFG passes not counted). ``m (N + 1,)`` ints; states whose ``m``
+    is smaller than the largest are padded by repeating their own draws cyclically."""
+    b, n = states.shape[0], states.shape[1] - 1
+    m_max = int(max(m))
+    out = torch.empty(b, n + 1, m_max, dtype=torch.float64)
+    final = score(model.decode(states[:, n]), torch.arange(b)).double()
+    out[:, n] = final[:, None]
+    need, calls = mc_needed(levels), 0
+    for i in range(n - 1, -1, -1):
+        if not need[i]:
+            out[:, i] = out[:, i + 1]
+            continue
+        k = int(m[i])
+        traj = torch.arange(b).repeat_interleave(k)  # (B·k,) the trajectory of each completion
+        x = states[traj, i]
+        sub = rollout(
+            model, cond, group[traj], x, sigmas[i:], levels[i:], step_fn, generator, batch_size=batch_size
+        )
+        calls += x.shape[0] * (n - i)
+        rewards = score(model.decode(sub.states[:, -1]), traj).double().view(b, k)
+        out[:, i] = rewards[:, torch.arange(m_max) % k]
+    return out, calls
+
+
+def audit_group(model, cfg: Config, reward, metas: list[dict], rules, m, psi=None, seed=0, index=0):
+    """Audit one group of ``cfg.group_size`` trajectories of each prompt of ``metas`` (usually one)."""
+    g_init, g_sde, g_mc = (torch.Generator().manual_seed(seed * 1_000_003 + index * 7 + k) for k in range(3))
+    sig = schedule(cfg.num_steps, cfg.shift)
+    levels, trained = noise_levels(cfg, psi)
+    prompts = [meta["prompt"] for meta in metas]
+    group = torch.arange(len(metas)).repeat_interleave(cfg.group_size)  # (B,)
+    x0 = torch.randn((len(group), *model.latent_shape), generator=g_init)
+    step_fn, bs = SAMPLERS[cfg.sampler], cfg.batch_size
+    with torch.no_grad():
+        cond = model.encode(prompts)
+        ro = rollout(
+            model, cond, group, x0, sig, levels, step_fn, g_sde, cfg.logp_mode, bs, keep_velocity=True
+        )
+    score = ScoreFn(reward, cfg.reward, prompts, metas, group, False)
+    m_states = torch.as_tensor(m).expand(cfg.num_steps + 1) if torch.as_tensor(m).dim() == 0 else m
+    completions, calls = mc_completions(
+        model, cond, group, ro.states, sig, levels, step_fn, score, m_states, g_mc, bs
+    )
+    credit, nfe, cache = {}, {}, {}
+    for name, overrides in rules.items():
+        rule_cfg = apply_overrides(dataclasses.replace(cfg, credit_options=""), overrides)
+        entry = CREDITS[rule_cfg.credit]
+        key = (entry.needs, rule_cfg.estimator, rule_cfg.substeps)
+        if key not in cache:
+            cache[key] = state_values(model, cond, group, ro, sig, *key[:1], trained, *key[1:], score, bs)
+        values, value_calls = cache[key]
+        kwargs = {"eps": rule_cfg.adv_eps, "adv_clip": rule_cfg.adv_clip, **credit_options(rule_cfg)}
+        credit[name] = entry.fn(values.float(), group, trained, **kwargs)
+        nfe[name] = value_calls / len(group)
+    return GroupAudit(completions, credit, nfe, calls / len(group), trained)
+
+
+def _interval(x: torch.Tensor) -> tuple[float, float, int]:
+    """Mean, 95 % t half-width and n of the finite entries of ``x (P,)`` (prompts)."""
+    from scipy.stats import t
+
+    x = x[torch.isfinite(x)].double()
+    n = int(x.numel())
+    if n == 0:
+        return float("nan"), float("nan"), 0
+    half = float(t.ppf(0.975, n - 1) * x.std(unbiased=True) / n**0.5) if n > 1 else float("nan")
+    return float(x.mean()), half, n
+
+
+def _summary(per_group: torch.Tensor) -> dict:
+    """``(P, K)`` → per step and pooled (each prompt's mean over the steps), mean ± 95 % interval."""
+    steps = [_interval(per_group[:, k]) for k in range(per_group.shape[1])]
+    pooled = _interval(torch.nanmean(per_group, dim=1))
+    return {
+        "per_step": [s[0] for s in steps],
+        "per_step_interval": [s[1] for s in steps],
+        "pooled": pooled[0],
+        "pooled_interval": pooled[1],
+        "prompts": pooled[2],
+    }
+
+
+def summarise(audits: list[GroupAudit], categories: list[str] | None = None) -> dict:
+    """The audit's report over prompt groups (one prompt each): per rule Spearman's ρ with ``Δ̂`` and
+    sign agreement, per trained step and pooled, with 95 % t intervals over prompts; the noise ceiling
+    (the same statistics between the two halves of the completions, the reliability of ``Δ̂`` by
+    Spearman–Brown, its square root as the ceiling of any credit's ρ, and each rule's ρ divided by
+    it); network calls per trajectory; per category the pooled ρ of every rule."""
+    from flowcredit.credit_audit import (
+        group_step_sign_agreement,
+        group_step_spearman,
+        mc_delta,
+        spearman_brown,
+        split_halves,
+    )
+
+    trained = audits[0].trained
+    rho, sign, half_rho, half_sign = {}, {}, [], []
+    for a in audits:
+        group = torch.zeros(a.completions.shape[0], dtype=torch.long)
+        delta, (d_a, d_b) = mc_delta(a.completions), split_halves(a.completions)
+        half_rho.append(group_step_spearman(d_a, d_b, group, trained, constant_credit_is_zero=False))
+        half_sign.append(group_step_sign_agreement(d_a, d_b, group, trained))
+        for name, credit in a.credit.items():
+            rho.setdefault(name, []).append(group_step_spearman(credit, delta, group, trained))
+            sign.setdefault(name, []).append(group_step_sign_agreement(credit, delta, group, trained))
+    half = _summary(torch.cat(half_rho))
+    reliability = spearman_brown(torch.tensor(half["per_step"], dtype=torch.float64))
+    ceiling = reliability.clamp_min(0).sqrt()
+    report = {
+        "steps": torch.nonzero(trained, as_tuple=True)[0].tolist(),
+        "ceiling": {
+            "half_spearman": half,
+            "half_sign_agreement": _summary(torch.cat(half_sign)),
+            "reliability": reliability.tolist(),
+            "spearman_ceiling": ceiling.tolist(),
+        },
+        "mc_calls_per_trajectory": sum(a.mc_nfe for a in audits) / len(audits),
+        "rules": {},
+    }
+    for name in rho:
+        per_group = torch.cat(rho[name])
+        r = _summary(per_group)
+        r["disattenuated"] = (torch.tensor(r["per_step"], dtype=torch.float64) / ceiling).tolist()
+        entry = {"spearman": r, "sign_agreement": _summary(torch.cat(sign[name]))}
+        entry["value_calls_per_trajectory"] = sum(a.nfe[name] for a in audits) / len(audits)
+        if categories:
+            entry["spearman_by_category"] = {
+                c: _interval(
+                    torch.nanmean(per_group[[k for k, x in enumerate(categories) if x == c]], dim=1)
+                )[0]
+                for c in sorted(set(categories))
+            }
+        report["rules"][name] = entry
+    return report
