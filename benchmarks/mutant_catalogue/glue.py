@@ -43,8 +43,8 @@ MUTANTS = [
     ),
     Mutant(
         "update_keeps_dead_groups", "loop", TRAIN,
-        "keep = torch.nonzero(torch.isin(sam.norm_group, live_groups), as_tuple=True)[0]",
-        "keep = torch.nonzero(~torch.isin(sam.norm_group, live_groups), as_tuple=True)[0]",
+        "trains = torch.isin(sam.norm_group, live_groups) if s.update.drops_zero_advantage else ok",
+        "trains = ~torch.isin(sam.norm_group, live_groups) if s.update.drops_zero_advantage else ok",
         (DIRECTION,), "the update trains the zero-advantage groups and drops the live ones",
     ),
     Mutant(
