@@ -170,7 +170,8 @@ def summarise(audits: list[GroupAudit], categories: list[str] | None = None) -> 
     sign agreement, per trained step and pooled, with 95 % t intervals over prompts; the noise ceiling
     (the same statistics between the two halves of the completions, the reliability of ``Δ̂`` by
     Spearman–Brown, its square root as the ceiling of any credit's ρ, and each rule's ρ divided by
-    it); network calls per trajectory; per category the pooled ρ of every rule."""
+    it); network calls per trajectory; per category the pooled ρ of every rule; and each rule's pooled
+    ρ minus Flow-GRPO's, paired by prompt (the same trajectories), with its interval."""
     from flowcredit.credit_audit import (
         group_step_sign_agreement,
         group_step_spearman,
@@ -216,5 +217,8 @@ def summarise(audits: list[GroupAudit], categories: list[str] | None = None) -> 
                 )[0]
                 for c in sorted(set(categories))
             }
+        if "flow_grpo" in rho and name != "flow_grpo":  # paired: the same trajectories and Δ̂
+            paired = torch.nanmean(per_group - torch.cat(rho["flow_grpo"]), dim=1)
+            entry["spearman_minus_flow_grpo"] = dict(zip(("mean", "interval", "prompts"), _interval(paired)))
         report["rules"][name] = entry
     return report
