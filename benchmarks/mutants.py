@@ -11,8 +11,9 @@ which test killed it, or that it survived. The working tree itself is never edit
     .venv/bin/python benchmarks/mutants.py --only adv_sign_in_update,kl_sign
 
 Every test named here is part of ``make test``, so a mutant killed here is killed by ``make test``.
-Runs in about 9 minutes on a quiet 2-core machine (43 mutants); `--only A,B --merge` reruns some
-and updates their rows of the report.
+Runs in about 7.5 minutes on a 2-core AMD EPYC (73 mutants); `--only A,B --merge` reruns some
+and updates their rows of the report. The report's head says when, on which CPU and in how long the
+last full run ran.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -85,7 +87,24 @@ def run_mutant(root: Path, m: Mutant, timeout: float) -> dict:
     return row
 
 
-def write_report(rows: list[dict], out: Path) -> None:
+def cpu_name() -> str:
+    """The CPU's model name (``lscpu``'s "Model name", from /proc/cpuinfo) and its core count."""
+    try:
+        names = re.findall(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    except OSError:
+        names = []
+    return f"{(names or [platform.processor() or 'unknown CPU'])[0].strip()}, {os.cpu_count()} cores"
+
+
+def run_line(seconds: float, only: list[str] | None = None) -> str:
+    """When, where and how long: ``Full run: …`` or, for ``--merge``, ``Rerun of a, b: …``."""
+    head = f"Rerun of {', '.join(only)}" if only else "Full run"
+    return f"{head}: {time.strftime('%Y-%m-%d %H:%M %Z')} on {cpu_name()}, {seconds:.0f} s."
+
+
+def write_report(rows: list[dict], out: Path, notes: tuple[str, ...] = ()) -> None:
+    """``mutants.json`` (the rows) and ``mutants.md``; ``notes``: paragraphs under the count (when,
+    where, how long; a merge keeps the last full run's)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "mutants.json").write_text(json.dumps(rows, indent=1) + "\n")
     killed = sum(r["status"] == "killed" for r in rows)
@@ -95,6 +114,7 @@ def write_report(rows: list[dict], out: Path) -> None:
         f"`benchmarks/mutants.py`: {killed} of {len(rows)} mutants killed. Each row is one semantic bug",
         "applied alone to a copy of the tree; *killed by* is the first test that failed (`pytest -x`).",
         "",
+        *(x for note in notes for x in (note, "")),
         "| mutant | area | file | bug | result | killed by | s |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -117,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(filter(None, args.only.split(","))) - {m.name for m in MUTANTS}
     if unknown:
         ap.error(f"unknown mutants {sorted(unknown)}")
+    t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
         root = Path(tmp)
         copy_tree(root)
@@ -137,12 +158,19 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(rows) - len(survivors)} of {len(rows)} killed"
         + (f"; not killed: {survivors}" if survivors else "")
     )
+    seconds = time.perf_counter() - t_start
     if not args.only:
-        write_report(rows, Path(args.out))
+        write_report(rows, Path(args.out), (run_line(seconds),))
     elif args.merge:  # replace or add these rows, keep the others, in MUTANTS order
         old = {r["name"]: r for r in json.loads((Path(args.out) / "mutants.json").read_text())}
         old |= {r["name"]: r for r in rows}
-        write_report([old[m.name] for m in MUTANTS if m.name in old], Path(args.out))
+        md = Path(args.out) / "mutants.md"
+        lines = md.read_text().splitlines() if md.exists() else []
+        notes = (
+            *[x for x in lines if x.startswith("Full run:")][:1],
+            run_line(seconds, [r["name"] for r in rows]),
+        )
+        write_report([old[m.name] for m in MUTANTS if m.name in old], Path(args.out), notes)
     return 1 if survivors else 0
 
 
