@@ -164,13 +164,43 @@ def test_audit_leaves_the_model_and_foreign_generators_untouched(tmp_path):
     model, reward = load_model(cfg), build_reward(cfg, cfg.reward)
     before = {k: v.clone() for k, v in model.net.state_dict().items()}
     states = torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
-    a = audit_group(model, cfg, reward, load_prompts("test")[:1], audit_rules(), 2)
+    a = audit_group(model, cfg, reward, load_prompts("test")[:1], audit_rules(), 2, grads=True)
     assert torch.equal(torch.get_rng_state(), states[0]) and (np.random.get_state()[1] == states[1]).all()
     assert random.getstate() == states[2]
     assert all(torch.equal(before[k], v) for k, v in model.net.state_dict().items())
     assert a.completions.shape == (4, cfg.num_steps + 1, 2) and set(a.credit) >= {"flow_grpo", "dense"}
     again = audit_group(model, cfg, reward, load_prompts("test")[:1], audit_rules(), 2)
     assert torch.equal(a.completions, again.completions)  # its own generators: the same draws
+    assert set(a.cosine) == {*a.credit, "noise_halves"} and all(-1 <= c <= 1 for c in a.cosine.values())
+
+
+def test_gradient_cosine_of_the_step_effects_themselves_is_one(tmp_path):
+    """``g_A`` is linear in the credit: A = Δ̂ gives cosine 1, −Δ̂ gives −1, 3·Δ̂ gives 1, and a credit
+    that differs from Δ̂ only on an untrained step changes nothing."""
+    from loop_probes import small_config, small_model
+
+    from flowcredit.models import load_model
+    from flowcredit.run.audit import gradient_cosines
+    from flowcredit.run.rollout import noise_levels, rollout
+    from flowcredit.schedule import sigmas
+
+    cfg = small_config("flow_grpo", tmp_path / "r", checkpoint=small_model(tmp_path / "m"), group_size=3)
+    model = load_model(cfg)
+    sig, (levels, trained) = sigmas(cfg.num_steps, cfg.shift), noise_levels(cfg, None)
+    group, gen = torch.zeros(3, dtype=torch.long), torch.Generator().manual_seed(0)
+    cond, x0 = model.encode(["a red circle"]), torch.randn((3, *model.latent_shape), generator=gen)
+    ro = rollout(model, cond, group, x0, sig, levels, SAMPLERS[cfg.sampler], gen)
+    delta = torch.randn((3, cfg.num_steps), generator=gen)
+    other = delta.clone()
+    other[:, ~trained] = 5.0
+    credits = {"same": delta, "neg": -delta, "scaled": 3 * delta, "untrained_differs": other}
+    step = (cond, group, ro.states, sig, levels, SAMPLERS[cfg.sampler])
+    cos = gradient_cosines(model, cfg, step, credits, delta, trained, (delta, -delta))
+    assert cos["same"] == pytest.approx(1, abs=1e-9) and cos["neg"] == pytest.approx(-1, abs=1e-9)
+    assert cos["scaled"] == pytest.approx(1, abs=1e-9) and cos["untrained_differs"] == pytest.approx(
+        1, abs=1e-9
+    )
+    assert cos["noise_halves"] == pytest.approx(-1, abs=1e-9)
 
 
 def test_audit_command_writes_every_statistic_and_resumes(tmp_path, capsys):
@@ -199,3 +229,5 @@ def test_audit_command_writes_every_statistic_and_resumes(tmp_path, capsys):
     assert main(argv) == 0  # read back from groups/, the same report
     again = json.loads((tmp_path / "a" / "audit.json").read_text())
     assert again["rules"] == report["rules"] and again["ceiling"] == report["ceiling"]
+    assert set(report["gradient_cosine"]) >= {"flow_grpo", "noise_halves"}
+    assert again["gradient_cosine"] == report["gradient_cosine"]

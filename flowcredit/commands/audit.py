@@ -43,6 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--m", default="32", help="completions per state: one number, or one per audited state")
     p.add_argument("--rules", default="all", help="comma list of audited rules (default: every one)")
     p.add_argument("--seed", type=int, default=0, help="seed of the trajectories and completions")
+    p.add_argument(
+        "--grad-prompts",
+        type=int,
+        default=4,
+        help="prompts (the first) whose policy-gradient cosines are computed",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/audit", help="directory of audit.json, audit.png and groups/")
     return p
@@ -92,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     (out / "groups").mkdir(parents=True, exist_ok=True)
     settings = {"preset": args.preset, "config": args.config, "prompts": args.prompts, "m": m.tolist()}
     settings |= {"n_prompts": len(metas), "group_size": cfg.group_size, "seed": args.seed, "rules": rules}
+    settings |= {"grad_prompts": min(args.grad_prompts, len(metas))}
     settings |= {"sampler": cfg.sampler, "noise_level": cfg.noise_level, "levels": levels.tolist()}
     settings |= {"checkpoint": cfg.checkpoint, "model": cfg.model, "reward": cfg.reward}
     t0, audits = time.time(), []
     for k, meta in enumerate(tqdm(metas, desc="audit", unit="prompt", dynamic_ncols=True)):
-        compute = partial(audit_group, model, cfg, reward, [meta], rules, m, psi, args.seed, k)
-        audits.append(_group(out, k, settings, compute))
+        grads = k < args.grad_prompts
+        compute = partial(audit_group, model, cfg, reward, [meta], rules, m, psi, args.seed, k, grads)
+        audits.append(_group(out, k, settings, compute, grads))
     report = {"settings": settings, **summarise(audits, [meta.get("category", "") for meta in metas])}
     report["minutes"] = (time.time() - t0) / 60
     report["provenance"] = provenance(0, args.threads, cfg.device)
@@ -108,26 +116,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _group(out: Path, k: int, settings: dict, compute):
-    """Prompt ``k``'s audit, read from ``out/groups/`` when an audit of the same settings stored it."""
+def _group(out: Path, k: int, settings: dict, compute, grads: bool):
+    """Prompt ``k``'s audit, read from ``out/groups/`` when an audit of the same settings stored it
+    (with its gradient cosines, if ``grads`` asks for them; else computed again)."""
     from safetensors.torch import load_file, save_file
 
     from flowcredit.run.audit import GroupAudit
 
     path, meta_path = out / "groups" / f"{k:04d}.safetensors", out / "groups" / f"{k:04d}.json"
+    same = {key: v for key, v in json.loads(json.dumps(settings)).items() if key != "grad_prompts"}
     if path.is_file() and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        if meta["settings"] != json.loads(json.dumps(settings)):
+        if {key: v for key, v in meta["settings"].items() if key != "grad_prompts"} != same:
             raise UserError(f"{out}: holds an audit of other settings; choose another --out")
-        t = load_file(str(path))
-        credit = {name: t[f"credit.{name}"] for name in meta["nfe"]}
-        return GroupAudit(t["completions"], credit, meta["nfe"], meta["mc_nfe"], t["trained"])
+        if meta.get("cosine") or not grads:
+            t = load_file(str(path))
+            credit = {name: t[f"credit.{name}"] for name in meta["nfe"]}
+            cosine = meta.get("cosine", {})
+            return GroupAudit(t["completions"], credit, meta["nfe"], meta["mc_nfe"], t["trained"], cosine)
     a = compute()
     tensors = {"completions": a.completions, "trained": a.trained}
     tensors |= {f"credit.{name}": c.contiguous() for name, c in a.credit.items()}
     save_file(tensors, str(path.with_suffix(".tmp")))
     path.with_suffix(".tmp").replace(path)
-    meta_path.write_text(json.dumps({"settings": settings, "nfe": a.nfe, "mc_nfe": a.mc_nfe}) + "\n")
+    meta = {"settings": settings, "nfe": a.nfe, "mc_nfe": a.mc_nfe, "cosine": a.cosine}
+    meta_path.write_text(json.dumps(meta) + "\n")
     return a
 
 

@@ -62,13 +62,14 @@ def audit_rules(names: str = "all") -> dict[str, list[str]]:
 class GroupAudit:
     """One prompt group's audit: ``completions (G, N + 1, M)`` rewards, ``credit {rule: (G, N)}``,
     the rules' value calls per trajectory ``nfe {rule: float}``, the Monte-Carlo calls per trajectory
-    ``mc_nfe``, ``trained (N,)``."""
+    ``mc_nfe``, ``trained (N,)``; ``cosine {rule: float}`` where the gradients were computed."""
 
     completions: torch.Tensor
     credit: dict[str, torch.Tensor]
     nfe: dict[str, float]
     mc_nfe: float
     trained: torch.Tensor
+    cosine: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def mc_needed(levels: torch.Tensor) -> torch.Tensor:
@@ -107,8 +108,11 @@ def mc_completions(model, cond, group, states, sigmas, levels, step_fn, score, m
     return out, calls
 
 
-def audit_group(model, cfg: Config, reward, metas: list[dict], rules, m, psi=None, seed=0, index=0):
-    """Audit one group of ``cfg.group_size`` trajectories of each prompt of ``metas`` (usually one)."""
+def audit_group(
+    model, cfg: Config, reward, metas: list[dict], rules, m, psi=None, seed=0, index=0, grads=False
+):
+    """Audit one group of ``cfg.group_size`` trajectories of each prompt of ``metas`` (usually one);
+    ``grads``: also the policy-gradient cosines (:func:`gradient_cosines`)."""
     g_init, g_sde, g_mc = (torch.Generator().manual_seed(seed * 1_000_003 + index * 7 + k) for k in range(3))
     sig = schedule(cfg.num_steps, cfg.shift)
     levels, trained = noise_levels(cfg, psi)
@@ -137,7 +141,56 @@ def audit_group(model, cfg: Config, reward, metas: list[dict], rules, m, psi=Non
         kwargs = {"eps": rule_cfg.adv_eps, "adv_clip": rule_cfg.adv_clip, **credit_options(rule_cfg)}
         credit[name] = entry.fn(values.float(), group, trained, **kwargs)
         nfe[name] = value_calls / len(group)
-    return GroupAudit(completions, credit, nfe, calls / len(group), trained)
+    audit = GroupAudit(completions, credit, nfe, calls / len(group), trained)
+    if grads:
+        from flowcredit.credit_audit import mc_delta, split_halves
+
+        step = (cond, group, ro.states, sig, levels, step_fn)
+        halves = tuple(d.float() for d in split_halves(completions))
+        audit.cosine = gradient_cosines(
+            model, cfg, step, credit, mc_delta(completions).float(), trained, halves
+        )
+    return audit
+
+
+def gradient_cosines(
+    model, cfg: Config, rollout_of, credits: dict, delta, trained, halves
+) -> dict[str, float]:
+    """Cosine between the policy gradient each credit produces and the one ``Δ̂`` produces:
+    ``g_A = ∇_θ Σ_{b, i trained} A_{b,i} · log π_θ(x_{i+1} | x_i)`` on the LoRA parameters ``θ`` of
+    ``cfg`` (rank, alpha, targets, seed; added to a copy of the model, so ``B = 0``: at the audited
+    weights the gradient lies on the LoRA ``B`` matrices, the direction a first update step takes).
+    ``rollout_of``: ``(cond, group, states (B, N + 1, …), sigmas, levels, step_fn)``. Returns
+    ``{name: cos(g_A, g_Δ)}`` over ``credits``, and under ``"noise_halves"`` the cosine between the
+    gradients of the two halves' ``Δ̂`` (``halves``): how far ``g_Δ`` itself is from noise-free."""
+    import copy
+
+    from flowcredit.run.policy import Policy
+
+    cond, group, states, sig, levels, step_fn = rollout_of
+    trainee = copy.deepcopy(model)
+    keys = (cfg.train_params, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+    params = Policy(trainee, *keys, seed=cfg.seed).parameters()
+    logp = []
+    for i in torch.nonzero(trained, as_tuple=True)[0].tolist():
+        x, b = states[:, i], states.shape[0]
+        v = trainee.velocity(x, sig[i].expand(b), cond[group])
+        out = step_fn(v, x, sig[i].item(), sig[i + 1].item(), float(levels[i]), x_next=states[:, i + 1])
+        logp.append(out.logp)
+    logp = torch.stack(logp, 1)  # (B, K)
+
+    def grad(weights: torch.Tensor) -> torch.Tensor:
+        parts = torch.autograd.grad((weights[:, trained] * logp).sum(), params, retain_graph=True)
+        return torch.cat([p.flatten() for p in parts]).double()
+
+    def cos(a: torch.Tensor, b: torch.Tensor) -> float:
+        norm = a.norm() * b.norm()
+        return float(a @ b / norm) if norm > 0 else float("nan")
+
+    g_delta = grad(delta)
+    out = {name: cos(grad(credit), g_delta) for name, credit in credits.items()}
+    out["noise_halves"] = cos(grad(halves[0]), grad(halves[1]))
+    return out
 
 
 def _interval(x: torch.Tensor) -> tuple[float, float, int]:
@@ -193,8 +246,16 @@ def summarise(audits: list[GroupAudit], categories: list[str] | None = None) -> 
     half = _summary(torch.cat(half_rho))
     reliability = spearman_brown(torch.tensor(half["per_step"], dtype=torch.float64))
     ceiling = reliability.clamp_min(0).sqrt()
+    with_grads = [a.cosine for a in audits if a.cosine]
+    cosines = {
+        name: dict(
+            zip(("mean", "interval", "prompts"), _interval(torch.tensor([c[name] for c in with_grads])))
+        )
+        for name in (with_grads[0] if with_grads else {})
+    }
     report = {
         "steps": torch.nonzero(trained, as_tuple=True)[0].tolist(),
+        "gradient_cosine": cosines,
         "ceiling": {
             "half_spearman": half,
             "half_sign_agreement": _summary(torch.cat(half_sign)),
