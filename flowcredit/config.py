@@ -1,5 +1,6 @@
 """The one training configuration: a typed dataclass with a one-line doc per field, and how values
-reach it (``from_dict``, ``parse_value``: unknown keys and wrong types raise, naming the field).
+reach it (``from_dict``, ``parse_value``: unknown keys and wrong types raise, naming the field;
+``read_mapping``: a YAML or JSON config file, read errors naming the flag and the path).
 
 Checking a whole config (``validate``, ``apply_overrides``) is in :mod:`flowcredit.validation`; the
 presets and ``load_config`` (preset → YAML → overrides) are in :mod:`flowcredit.presets`.
@@ -8,10 +9,12 @@ presets and ``load_config`` (preset → YAML → overrides) are in :mod:`flowcre
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 
-from flowcredit.errors import ConfigError, UserError
+from flowcredit.errors import ConfigError, PathError, UserError, existing, reading
 
 TRAIN_PARAMS = ("lora", "text", "lora+text", "all")
 LORA_FORWARDS = ("auto", "composed", "peft", "peft+copy")
@@ -252,3 +255,22 @@ def trained_window(cfg: Config) -> tuple[int, int]:
     """(w, K) of the SDE window: ``window_size`` 0 means every step from w but the last."""
     size = cfg.window_size or cfg.num_steps - 1 - cfg.window_start
     return cfg.window_start, size
+
+
+def read_mapping(what: str, path: str | Path) -> dict:
+    """The config keys in the YAML or JSON file ``path`` (``--config``, a run's ``config.json``): a
+    ``.json`` file is read as JSON (YAML 1.1 would read ``1e-05`` as a string), any other as YAML. A
+    missing file, one that does not parse, or one that is not a mapping is a one-line
+    :class:`~flowcredit.errors.PathError` naming ``what`` (the flag) and the path; an empty file is ``{}``."""
+    file = existing(what, path, "file")
+    with reading(what, path):
+        text = file.read_text(encoding="utf-8")
+        if file.suffix == ".json":
+            data = json.loads(text) if text.strip() else {}
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise PathError(what, path, f"expected a mapping of config keys, got a {type(data).__name__}")
+    return data

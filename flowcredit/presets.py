@@ -6,9 +6,8 @@ YAML file and ``--key value`` overrides, in that order, then validates.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
-from flowcredit.config import Config, from_dict
+from flowcredit.config import Config, from_dict, read_mapping
 from flowcredit.errors import UserError
 from flowcredit.validation import apply_overrides, import_plugins
 
@@ -244,12 +243,5 @@ def load_config(preset: str = "flow_grpo", yaml_path: str | None = None, overrid
         raise UserError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     cfg = PRESETS[preset]()
     if yaml_path:
-        import yaml
-
-        if not Path(yaml_path).is_file():
-            raise UserError(f"--config {yaml_path!r}: no such file")
-        data = yaml.safe_load(Path(yaml_path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise UserError(f"{yaml_path}: expected a mapping of config keys")
-        cfg = from_dict(data, cfg)
+        cfg = from_dict(read_mapping("--config", yaml_path), cfg)
     return apply_overrides(cfg, overrides)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from flowcredit.errors import UserError
 from flowcredit.rewards import REWARDS, get_reward
 from flowcredit.rewards.clip import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from flowcredit.rewards.hps import (
@@ -265,9 +266,9 @@ def test_letterbox_geometry_by_hand(hw, resized, padding):
 
 def test_missing_checkpoint_names_option_and_path(files, tmp_path):
     missing = tmp_path / "nope.safetensors"
-    with pytest.raises(FileNotFoundError, match=r"'checkpoint'.*nope\.safetensors"):
+    with pytest.raises(UserError, match=r"'checkpoint'.*nope\.safetensors"):
         reward({**files, "checkpoint": missing})
-    with pytest.raises(FileNotFoundError, match=r"'bpe_path'.*nobpe\.gz"):
+    with pytest.raises(UserError, match=r"'bpe_path'.*nobpe\.gz"):
         reward({**files, "bpe": tmp_path / "nobpe.gz"})
 
 

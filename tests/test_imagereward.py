@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 
+from flowcredit.errors import UserError
 from flowcredit.rewards import get_reward
 from flowcredit.rewards.imagereward import (
     IMAGEREWARD_MEAN,
@@ -298,7 +299,7 @@ def test_converter_reports_dropped_keys_and_writes_config(released, capsys):
 
 
 def test_missing_model_dir_names_option_and_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"imagereward.*model_dir.*no_such_dir"):
+    with pytest.raises(UserError, match=r"imagereward.*model_dir.*no_such_dir"):
         get_reward("imagereward", {"imagereward": {"model_dir": str(tmp_path / "no_such_dir")}})
 
 

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from flowcredit.errors import UserError
 from flowcredit.rewards import get_reward
 from flowcredit.rewards.clip import load_clip, preprocess
 
@@ -138,12 +139,12 @@ def test_preprocess_shortest_edge_crop_and_normalise(clip_dir):
 def test_missing_dir_names_reward_option_and_path(tmp_path):
     missing = tmp_path / "no_such_model"
     for name in ["pickscore", "clipscore", "aesthetic", "clip_product_head"]:
-        with pytest.raises(FileNotFoundError, match=rf"{name}.*model_dir.*no_such_model"):
+        with pytest.raises(UserError, match=rf"{name}.*model_dir.*no_such_model"):
             get_reward(name, {name: {"model_dir": str(missing)}})
 
 
 def test_missing_head_names_option_and_path(clip_dir):
-    with pytest.raises(FileNotFoundError, match=r"aesthetic.*head_path.*nohead"):
+    with pytest.raises(UserError, match=r"aesthetic.*head_path.*nohead"):
         get_reward(
             "aesthetic", {"aesthetic": {"model_dir": str(clip_dir), "head_path": str(clip_dir / "nohead")}}
         )

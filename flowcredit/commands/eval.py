@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowcredit.config import Config, from_dict
-from flowcredit.errors import UserError
+from flowcredit.config import Config, from_dict, read_mapping
+from flowcredit.errors import UserError, reading
 from flowcredit.models import load_model
 from flowcredit.models.diffusers_checkpoint import is_run_final
 from flowcredit.rewards import check_metadata, uses_shapeeval
@@ -93,15 +93,7 @@ def config_from_args(args) -> tuple[Config, Path | None]:
     if final is not None and not args.config:
         args.config = str(final.parent / "config.json")
     if args.config:
-        import yaml
-
-        path = Path(args.config)
-        if not path.is_file():
-            raise UserError(f"--config {args.config!r}: no such file")
-        data = yaml.safe_load(path.read_text()) or {}  # JSON is YAML
-        if not isinstance(data, dict):
-            raise UserError(f"--config {args.config!r}: expected a mapping of config keys")
-        cfg = from_dict(data)
+        cfg = from_dict(read_mapping("--config", args.config))
     checkpoint = None if final is not None else args.checkpoint  # a run's final/: its base is in the config
     flags = {"model": args.model, "checkpoint": checkpoint, "resolution": args.resolution}
     flags |= {"dtype": args.dtype, "num_frames": args.frames, "device": args.device}
@@ -117,11 +109,13 @@ def load_for_cli(cfg: Config, final: Path | None):
     """The adapter of ``cfg``, with a run's trained ``final/`` applied; says which weights it uses."""
     model = load_model(cfg)
     if final is not None and _tensors_only(final):  # a published run: its trained tensors merged in
-        apply_trained(model, final)
+        with reading("--checkpoint", final):  # files cut short: one line naming them
+            apply_trained(model, final)
     elif final is not None:
         if not hasattr(model, "load_trained"):
             raise UserError(f"{final}: the {cfg.model!r} adapter cannot load a run's trained weights")
-        model.load_trained(final)
+        with reading("--checkpoint", final):
+            model.load_trained(final)
     print(f"weights: {cfg.checkpoint}" + (f" + {final}" if final is not None else ""))
     return model
 
@@ -187,7 +181,7 @@ def main_eval(argv: list[str] | None = None) -> int:
         cfg.reward_options = args.reward_options
     reward = args.reward or ((cfg.eval_reward or cfg.reward) if args.config else "shapes")
     shapes_eval = uses_shapeeval(reward)  # the per-category table needs ShapeEval metadata
-    metas = read_prompts(args.prompts, shapes_metadata=shapes_eval)[: args.max_prompts]
+    metas = read_prompts(args.prompts, shapes_eval, "--prompts")[: args.max_prompts]
     score = evaluate
     if not shapes_eval:
         built = build_reward(cfg, reward, named_only=True)

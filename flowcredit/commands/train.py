@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from flowcredit.config import Config, from_dict
+from flowcredit.config import Config, from_dict, read_mapping
 from flowcredit.errors import UserError
 from flowcredit.presets import PRESETS, load_config
 from flowcredit.validation import apply_overrides
@@ -30,7 +29,7 @@ def resume_config(run_dir: str, overrides: list[str]) -> Config:
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise UserError(f"--resume {run_dir!r}: no config.json in that directory (not a run directory?)")
-    cfg = apply_overrides(from_dict(json.loads(path.read_text()), Config()), overrides)
+    cfg = apply_overrides(from_dict(read_mapping("--resume", path), Config()), overrides)
     cfg.run_dir = run_dir
     return cfg
 

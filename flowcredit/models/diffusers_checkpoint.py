@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from flowcredit.errors import ConfigError
+from flowcredit.errors import ConfigError, reading
 from flowcredit.models.run_paths import is_run_dir, run_path_problem
 
 LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
@@ -61,7 +61,8 @@ def check_checkpoint(checkpoint: str, pipeline_name: str) -> None:
         raise ConfigError(
             "checkpoint", f"{checkpoint!r} is not a diffusers pipeline (no model_index.json){hint}"
         )
-    found = json.loads(index.read_text()).get("_class_name")
+    with reading("config field 'checkpoint'", checkpoint, "model_index.json"):
+        found = json.loads(index.read_text()).get("_class_name")
     if found != pipeline_name:
         fix = (
             f"use --model {PIPELINE_MODELS[found]}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from flowcredit.errors import ConfigError
+from flowcredit.errors import ConfigError, UserError, one_line
 from flowcredit.models.protocol import FlowModel, check_adapter
 
 MODELS: dict[str, str] = {
@@ -71,6 +71,21 @@ def apply_text_length(cfg, model) -> None:
         )
 
 
+def _call_loader(loader, cfg) -> FlowModel:
+    """``loader(cfg)``; a file it cannot read (``OSError``, a corrupt safetensors file), even in a
+    loader outside this package, is one :class:`ConfigError` naming ``checkpoint`` (the built-in
+    loaders name the file themselves, with :func:`flowcredit.errors.reading`)."""
+    from safetensors import SafetensorError
+
+    try:
+        return loader(cfg)
+    except UserError:
+        raise
+    except (OSError, SafetensorError) as exc:
+        problem = f"{cfg.checkpoint!r}: the {cfg.model!r} loader cannot read it ({one_line(exc)})"
+        raise ConfigError("checkpoint", problem) from exc
+
+
 def load_model(cfg) -> FlowModel:
     """The adapter named by ``cfg.model`` (a name of :data:`MODELS` or ``pkg.mod:fn``), checked
     against the :class:`FlowModel` contract; ``cfg.guidance_scale`` > 0 overrides the model's."""
@@ -80,7 +95,7 @@ def load_model(cfg) -> FlowModel:
         loader = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
         raise ConfigError("model", f"cannot import {target!r}: {exc}") from exc
-    model = loader(cfg)
+    model = _call_loader(loader, cfg)
     check_adapter(model, cfg.model)
     check_num_frames(getattr(cfg, "num_frames", 0), cfg.model, makes_video(model))  # pkg.mod:load ones
     if cfg.guidance_scale > 0:  # 0: the documented "keep the model's default"

@@ -20,13 +20,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowcredit.errors import ConfigError
+from flowcredit.errors import ConfigError, reading
 from flowcredit.models.protocol import FlowModelBase
 from flowcredit.models.run_paths import run_path_problem
 from flowcredit.models.tiny_net import TinyNet
 from flowcredit.models.tokenizer import Tokenizer
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+CHECKPOINT_FIELD = "config field 'checkpoint'"
+"""How a load error names where the directory came from (``TinyFlowModel.load``'s ``what``)."""
 
 
 @dataclass
@@ -252,12 +254,18 @@ class TinyFlowModel(FlowModelBase):
         os.replace(d / (CONFIG + ".tmp"), d / CONFIG)
 
     @classmethod
-    def load(cls, directory: str | Path, device: str | torch.device = "cpu") -> TinyFlowModel:
-        """Load a checkpoint directory written by ``save``."""
+    def load(
+        cls, directory: str | Path, device: str | torch.device = "cpu", what: str = CHECKPOINT_FIELD
+    ) -> TinyFlowModel:
+        """Load a checkpoint directory written by ``save``. A file there that is missing, cut short or
+        does not fit is a one-line :class:`~flowcredit.errors.PathError` naming ``what`` (where the
+        directory came from) and the file."""
         d = Path(directory)
-        config = TinyConfig.from_dict(json.loads((d / CONFIG).read_text()))
+        with reading(what, directory, CONFIG):
+            config = TinyConfig.from_dict(json.loads((d / CONFIG).read_text()))
         model = cls(config)
-        model.net.load_state_dict(load_file(str(d / WEIGHTS)), strict=True)
+        with reading(what, directory, WEIGHTS):
+            model.net.load_state_dict(load_file(str(d / WEIGHTS)), strict=True)
         return model.to(device)
 
 

@@ -9,8 +9,10 @@ with that reward's entry of ``options`` (the config field ``reward_options``, JS
 ``{"pickscore": {"model_dir": "/models/pickscore"}}``). Heavy rewards (OCR, CLIP models, the HTTP
 client) are registered lazily: their module, and its transformers / rapidocr imports, load only when
 the reward is built. An option the factory does not take, or a required one that is missing, is a
-``ValueError`` naming the reward and the option. A dotted path names a reward function; if options
-are given for it, it is called as a factory ``fn(**options) -> reward_fn`` instead.
+:class:`~flowcredit.errors.UserError` (a ``ValueError``) naming the reward and the option; so is a
+weights path that is missing or unreadable (one line, exit status 2 from the CLI). A dotted path
+names a reward function; if options are given for it, it is called as a factory
+``fn(**options) -> reward_fn`` instead.
 
 Video: a video model decodes to clips ``(B, F, 3, H, W)``. An image reward then scores every
 ``frame_stride``-th frame (frames ``0, k, 2k, …``) and the clip's reward is the mean over those frames;
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flowcredit.errors import UserError
+from flowcredit.errors import UserError, one_line
 
 
 class RewardOutputError(UserError):
@@ -187,7 +189,11 @@ def _check_options(name: str, factory: Callable, options: dict) -> None:
 
 
 def build_reward(name: str, options: dict | None = None) -> RewardFn:
-    """One reward function from a registry name or ``"pkg.mod:fn"``, built with its ``options``."""
+    """One reward function from a registry name or ``"pkg.mod:fn"``, built with its ``options``.
+
+    Building reads the weights the options name: what a factory raises while doing so (a missing file,
+    a corrupt one, a bad option value, a missing optional package) is one :class:`UserError` naming
+    the reward, even from a factory outside this package (:func:`_factory_error`)."""
     options = dict(options or {})
     if name in REWARDS:
         factory = REWARDS[name]
@@ -199,7 +205,27 @@ def build_reward(name: str, options: dict | None = None) -> RewardFn:
     else:
         raise UserError(f"unknown reward {name!r}; registered: {sorted(REWARDS)} (or 'pkg.mod:fn')")
     _check_options(name, factory, options)
-    return factory(**options)
+    try:
+        return factory(**options)
+    except UserError:
+        raise
+    except Exception as exc:
+        error = _factory_error(name, exc)
+        if error is None:
+            raise
+        raise error from exc
+
+
+def _factory_error(name: str, exc: Exception) -> UserError | None:
+    """``exc`` as one line naming the reward if a factory's input caused it (``OSError``, ``ValueError``,
+    ``ImportError``, a corrupt safetensors file); None otherwise: a bug keeps its traceback."""
+    from safetensors import SafetensorError
+
+    if not isinstance(exc, (OSError, ValueError, ImportError, SafetensorError)):
+        return None
+    text = one_line(exc)
+    prefix = f"{type(exc).__name__}: reward {name!r}"
+    return UserError(text.split(": ", 1)[1] if text.startswith(prefix) else f"reward {name!r}: {text}")
 
 
 def parse_mix(spec: str | dict[str, float]) -> dict[str, float]:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flowcredit.errors import PathError, UserError, existing, reading
 from flowcredit.models.diffusers_common import default_device
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -37,16 +38,21 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _existing(reward: str, option: str, path, want_dir: bool) -> Path:
-    p = Path(path).expanduser() if path is not None else None
-    ok = p is not None and (p.is_dir() if want_dir else p.is_file())
-    if not ok:
-        kind = "directory" if want_dir else "file"
-        raise FileNotFoundError(
-            f"reward {reward!r}: option {option!r} = {str(path)!r} is not an existing {kind} "
-            "(weights are never downloaded; save them there first, see docs/rewards.md)"
-        )
-    return p
+def option(reward: str, name: str) -> str:
+    """How an error names a reward's option: ``reward 'pickscore': option 'model_dir'``."""
+    return f"reward {reward!r}: option {name!r}"
+
+
+def _existing(reward: str, name: str, path, want_dir: bool) -> Path:
+    """``path`` if it exists; a one-line :class:`~flowcredit.errors.PathError` naming the option otherwise."""
+    hint = "weights are never downloaded; save them there first, see docs/rewards.md"
+    return existing(option(reward, name), path, "directory" if want_dir else "file", hint)
+
+
+def check_dtype(reward: str, dtype: str) -> None:
+    """A ``dtype`` option outside :data:`_DTYPES` is a :class:`~flowcredit.errors.UserError` naming it."""
+    if dtype not in _DTYPES:
+        raise UserError(f"{option(reward, 'dtype')} must be one of {sorted(_DTYPES)}, got {dtype!r}")
 
 
 def _size_hw(size, fallback: int) -> tuple[int, int] | int:
@@ -103,18 +109,13 @@ class ClipBundle:
     def __init__(self, model_dir: Path, reward: str, device: str, dtype: torch.dtype):
         from transformers import AutoTokenizer, CLIPModel
 
-        try:
-            self.model = (
-                CLIPModel.from_pretrained(model_dir, dtype=dtype).to(device).eval().requires_grad_(False)
-            )
+        with reading(option(reward, "model_dir"), model_dir):  # not a CLIP model: one line naming it
+            self.model = CLIPModel.from_pretrained(model_dir, dtype=dtype).eval().requires_grad_(False)
             self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        except (OSError, ValueError) as exc:
-            raise ValueError(
-                f"reward {reward!r}: cannot load a CLIP model from {str(model_dir)!r}: {exc}"
-            ) from exc
-        cfg = self.model.config
+            cfg = self.model.config
+            self.pre = _preprocess_config(model_dir, cfg.vision_config.image_size)
+        self.model.to(device)
         self.max_length = min(self.tokenizer.model_max_length, cfg.text_config.max_position_embeddings)
-        self.pre = _preprocess_config(model_dir, cfg.vision_config.image_size)
         self.device, self.dtype = device, dtype
 
     @torch.no_grad()
@@ -148,8 +149,7 @@ def _bundle(model_dir: str, reward: str, device: str, dtype: str) -> ClipBundle:
 def load_clip(reward: str, model_dir, device: str | None, dtype: str) -> ClipBundle:
     """The cached :class:`ClipBundle` of ``model_dir``, with errors naming the reward and option."""
     path = _existing(reward, "model_dir", model_dir, want_dir=True)
-    if dtype not in _DTYPES:
-        raise ValueError(f"reward {reward!r}: option 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    check_dtype(reward, dtype)
     device = device or str(default_device())  # cuda:LOCAL_RANK: one GPU per rank
     return _bundle(str(path.resolve()), reward, device, dtype)
 
@@ -163,7 +163,8 @@ def load_linear_head(reward: str, path, in_dim: int) -> list[tuple[torch.Tensor,
     from safetensors.torch import load_file
 
     file = _existing(reward, "head_path", path, want_dir=False)
-    tensors = load_file(str(file))
+    with reading(option(reward, "head_path"), path):
+        tensors = load_file(str(file))
     prefixes = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(".weight")}
     order = sorted(
         prefixes, key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.split(".")]
@@ -173,9 +174,10 @@ def load_linear_head(reward: str, path, in_dim: int) -> list[tuple[torch.Tensor,
     ok = bool(layers) and all(w.ndim == 2 and w.shape[1] == d for (w, _), d in zip(layers, dims))
     if not ok or dims[-1] != 1:
         shapes = [tuple(w.shape) for w, _ in layers]
-        raise ValueError(
-            f"reward {reward!r}: head {str(file)!r} must be linear layers from {in_dim} features to 1, "
-            f"got weight shapes {shapes}"
+        raise PathError(
+            option(reward, "head_path"),
+            path,
+            f"must be linear layers from {in_dim} features to 1, got weight shapes {shapes}",
         )
     return [(w, None if b is None else b.float()) for w, b in layers]
 

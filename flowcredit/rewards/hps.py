@@ -32,8 +32,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from flowcredit.errors import PathError, UserError, one_line, reading
 from flowcredit.models.diffusers_common import default_device
-from flowcredit.rewards.clip import _DTYPES, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, _batched, _existing
+from flowcredit.rewards.clip import (
+    _DTYPES,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    _batched,
+    _existing,
+    check_dtype,
+    option,
+)
 from flowcredit.rewards.open_clip_layout import (
     basic_clean,
     bpe_tokenizer,
@@ -85,25 +94,24 @@ def hps_preprocess(images: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors ``checkpoint``; anything else (a pickle) is a ``ValueError``."""
+    """The tensors of a safetensors ``checkpoint``; anything else (a pickle) is a one-line
+    :class:`~flowcredit.errors.PathError`."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
         return load_file(str(path))
     except (SafetensorError, OSError) as exc:
-        raise ValueError(
-            f"reward 'hps': option 'checkpoint' = {str(path)!r} is not a safetensors file ({exc}); "
-            f"convert the released .pt once: {CONVERT}"
-        ) from exc
+        problem = f"not a safetensors file ({one_line(exc)}); convert the released .pt once: {CONVERT}"
+        raise PathError(option("hps", "checkpoint"), path, problem) from exc
 
 
 def _check_shapes(model: torch.nn.Module, weights: dict[str, torch.Tensor], name: str) -> None:
-    """A weight whose shape differs from ``model_name``'s architecture is a ``ValueError`` naming it."""
+    """A weight whose shape differs from ``model_name``'s architecture is a ``UserError`` naming it."""
     target = model.state_dict()
     for key, value in weights.items():
         if tuple(value.shape) != tuple(target[key].shape):
-            raise ValueError(
+            raise UserError(
                 f"reward 'hps': weight {key!r} has shape {tuple(value.shape)}, model_name {name!r} "
                 f"expects {tuple(target[key].shape)}"
             )
@@ -118,14 +126,15 @@ class HpsBundle:
         cfg = model_config(model_name)
         self.context_length = cfg.get("text_cfg", {}).get("context_length", 77)
         self.image_size = cfg.get("vision_cfg", {}).get("image_size", 224)
-        self.tokenizer = bpe_tokenizer(bpe_path, self.context_length)
+        with reading(option("hps", "bpe_path"), bpe_path):
+            self.tokenizer = bpe_tokenizer(bpe_path, self.context_length)
         config = clip_config(model_name, self.tokenizer.eos_token_id, self.tokenizer.bos_token_id)
         if len(self.tokenizer) != config.text_config.vocab_size:
-            raise ValueError(
-                f"reward 'hps': option 'bpe_path' = {str(bpe_path)!r} has {len(self.tokenizer)} tokens, "
-                f"model_name {model_name!r} {config.text_config.vocab_size}"
-            )
-        weights = to_hf_state_dict(_read_safetensors(checkpoint), model_name)
+            vocab = config.text_config.vocab_size
+            problem = f"has {len(self.tokenizer)} tokens, model_name {model_name!r} {vocab}"
+            raise PathError(option("hps", "bpe_path"), bpe_path, problem)
+        with reading(option("hps", "checkpoint"), checkpoint):  # keys that are not model_name's
+            weights = to_hf_state_dict(_read_safetensors(checkpoint), model_name)
         with torch.device(device):
             model = CLIPModel(config)
         _check_shapes(model, weights, model_name)
@@ -168,19 +177,16 @@ def load_hps(checkpoint, model_name: str, bpe_path, device: str | None, dtype: s
     """The cached :class:`HpsBundle`, with errors naming the option at fault."""
     path = _existing("hps", "checkpoint", checkpoint, want_dir=False)
     if importlib.util.find_spec("ftfy") is None:
-        raise ImportError(
-            "reward 'hps' needs ftfy (open_clip's text clean-up): pip install 'flowcredit[hps]'"
-        )
+        raise UserError("reward 'hps' needs ftfy (open_clip's text clean-up): pip install 'flowcredit[hps]'")
     if bpe_path is None and default_bpe_path() is None:
-        raise FileNotFoundError(
-            "reward 'hps': option 'bpe_path' is not set and open_clip is not installed; pass the path of "
+        raise UserError(
+            f"{option('hps', 'bpe_path')} is not set and open_clip is not installed; pass the path of "
             "open_clip's bpe_simple_vocab_16e6.txt.gz (see docs/rewards.md)"
         )
     bpe = (
         _existing("hps", "bpe_path", bpe_path, want_dir=False) if bpe_path is not None else default_bpe_path()
     )
-    if dtype not in _DTYPES:
-        raise ValueError(f"reward 'hps': option 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    check_dtype("hps", dtype)
     config = json.dumps(model_config(model_name), sort_keys=True)
     device = device or str(default_device())  # cuda:LOCAL_RANK: one GPU per rank
     return _bundle(str(path.resolve()), model_name, config, str(Path(bpe).resolve()), device, dtype)

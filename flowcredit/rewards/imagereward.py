@@ -30,10 +30,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from flowcredit.errors import PathError, reading
 from flowcredit.models.diffusers_common import default_device
-from flowcredit.rewards.clip import _DTYPES, _batched, _existing, preprocess
+from flowcredit.rewards.clip import _DTYPES, _batched, _existing, check_dtype, option, preprocess
 
 NAME = "imagereward"
+MODEL_DIR = option(NAME, "model_dir")
+"""How errors name the reward's one path option."""
 CONFIG_FORMAT = "flowcredit-imagereward"
 IMAGEREWARD_MEAN = 0.16717362830052426
 IMAGEREWARD_STD = 1.0333394966054072
@@ -115,10 +118,11 @@ def read_config(model_dir: Path) -> dict:
     path = model_dir / "config.json"
     hint = "write it with: python -m flowcredit.rewards.imagereward_convert (docs/rewards.md)"
     if not path.is_file():
-        raise FileNotFoundError(f"reward {NAME!r}: model_dir {str(model_dir)!r} has no config.json; {hint}")
-    cfg = json.loads(path.read_text())
-    if cfg.get("format") != CONFIG_FORMAT:
-        raise ValueError(f"reward {NAME!r}: {str(path)!r} is not a converted ImageReward config; {hint}")
+        raise PathError(MODEL_DIR, model_dir, f"has no config.json; {hint}")
+    with reading(MODEL_DIR, model_dir, "config.json"):
+        cfg = json.loads(path.read_text())
+    if not isinstance(cfg, dict) or cfg.get("format") != CONFIG_FORMAT:
+        raise PathError(MODEL_DIR, model_dir, f"its config.json is not a converted ImageReward one; {hint}")
     return cfg
 
 
@@ -129,13 +133,16 @@ def load_model(model_dir: Path, device: str, dtype: torch.dtype) -> tuple[ImageR
     cfg = read_config(model_dir)
     weights = model_dir / "model.safetensors"
     if not weights.is_file():
-        raise FileNotFoundError(f"reward {NAME!r}: model_dir {str(model_dir)!r} has no model.safetensors")
-    model = build_model(cfg, meta=True)
-    result = model.load_state_dict(load_file(str(weights)), strict=False, assign=True)
+        raise PathError(MODEL_DIR, model_dir, "has no model.safetensors")
+    with reading(MODEL_DIR, model_dir, "model.safetensors"):
+        model = build_model(cfg, meta=True)
+        result = model.load_state_dict(load_file(str(weights)), strict=False, assign=True)
     if result.missing_keys or result.unexpected_keys:
-        raise ValueError(
-            f"reward {NAME!r}: {str(weights)!r} does not match config.json: "
-            f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
+        raise PathError(
+            MODEL_DIR,
+            model_dir,
+            f"its model.safetensors does not match config.json: "
+            f"missing {result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}",
         )
     emb = model.text.embeddings  # its only buffer, not saved: rebuild it off the meta device
     emb.position_ids = torch.arange(emb.position_embeddings.num_embeddings).unsqueeze(0)
@@ -151,14 +158,13 @@ def _loaded(model_dir: str, device: str, dtype: str):
 
     path = Path(model_dir)
     model, cfg = load_model(path, device, _DTYPES[dtype])
-    try:
+    with reading(MODEL_DIR, model_dir, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"reward {NAME!r}: cannot load the tokenizer in {model_dir!r}: {exc}") from exc
     if len(tokenizer) > cfg["text"]["vocab_size"]:
-        raise ValueError(
-            f"reward {NAME!r}: the tokenizer in {model_dir!r} has {len(tokenizer)} tokens, "
-            f"the text encoder {cfg['text']['vocab_size']}"
+        raise PathError(
+            MODEL_DIR,
+            model_dir,
+            f"its tokenizer has {len(tokenizer)} tokens, the text encoder {cfg['text']['vocab_size']}",
         )
     return model, tokenizer, cfg
 
@@ -208,8 +214,7 @@ def imagereward(*, model_dir, device=None, dtype="float32", batch_size: int = 32
     ``model_dir``: a directory written by ``python -m flowcredit.rewards.imagereward_convert``.
     """
     path = _existing(NAME, "model_dir", model_dir, want_dir=True)
-    if dtype not in _DTYPES:
-        raise ValueError(f"reward {NAME!r}: option 'dtype' must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    check_dtype(NAME, dtype)
     device = device or str(default_device())  # cuda:LOCAL_RANK: one GPU per rank
     model, tokenizer, cfg = _loaded(str(path.resolve()), device, dtype)
     pre, run_dtype = image_config(cfg), _DTYPES[dtype]

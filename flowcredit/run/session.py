@@ -19,7 +19,7 @@ import torch
 
 from flowcredit.advantages import CREDITS, Credit
 from flowcredit.config import Config
-from flowcredit.errors import ConfigError, UserError
+from flowcredit.errors import ConfigError, UserError, reading
 from flowcredit.models import FlowModel, check_adapter, load_model
 from flowcredit.models.registry import apply_text_length
 from flowcredit.rewards import Reward, check_metadata, get_reward, parse_mix, uses_shapeeval
@@ -276,8 +276,12 @@ def _assemble(cfg: Config, dist: Dist, run_dir: Path, resume: bool, model, rewar
         reward=reward or build_reward(cfg, cfg.reward),
         sigmas=model.sigmas(cfg.num_steps, cfg.shift),
         trained=noise_levels(cfg, None)[1],
-        train_metas=load_prompt_set(cfg.train_prompts, cfg.num_train_prompts, False, shapes),
-        eval_metas=load_prompt_set(cfg.eval_prompts, cfg.num_eval_prompts, True, eval_shapes),
+        train_metas=load_prompt_set(
+            cfg.train_prompts, cfg.num_train_prompts, False, shapes, "config field 'train_prompts'"
+        ),
+        eval_metas=load_prompt_set(
+            cfg.eval_prompts, cfg.num_eval_prompts, True, eval_shapes, "config field 'eval_prompts'"
+        ),
         eval_reward=build_reward(cfg, cfg.eval_reward, named_only=True) if cfg.eval_reward else None,
     )
     check_metadata(s.reward, s.train_metas, cfg.train_prompts)
@@ -293,7 +297,9 @@ def _assemble(cfg: Config, dist: Dist, run_dir: Path, resume: bool, model, rewar
     if resume and ckpt is None:
         raise UserError(f"--resume {str(run_dir)!r}: no checkpoint in that run directory")
     if ckpt is not None:
-        s.restore(load_checkpoint(ckpt))
+        with reading("--resume", run_dir, ckpt.name):  # a state cut short: one line, not a traceback
+            state = load_checkpoint(ckpt)
+        s.restore(state)
     elif cfg.psi_path:
         s.psi = read_psi(cfg.psi_path, cfg.num_steps)
     if s.psi is not None:

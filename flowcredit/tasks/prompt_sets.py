@@ -2,7 +2,8 @@
 
 A set is a ShapeEval split (``"train"`` / ``"test"``), a JSONL file (one object with a string
 ``"prompt"`` per line, any other keys are metadata for the reward) or a text file (one prompt per
-line). Bad input raises :class:`flowcredit.errors.UserError` naming the file and line.
+line). Bad input raises :class:`flowcredit.errors.UserError` naming the file and line; a missing file or
+one that is not text names ``what`` too (the config field or flag that gave it).
 """
 
 from __future__ import annotations
@@ -10,24 +11,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flowcredit.errors import UserError
+from flowcredit.errors import PathError, UserError, reading
 
 SPLITS = ("train", "test")
 
 
-def read_prompts(spec: str, shapes_metadata: bool = False) -> list[dict]:
+def read_prompts(spec: str, shapes_metadata: bool = False, what: str = "prompt set") -> list[dict]:
     """All prompt metadata of ``spec``; ``shapes_metadata=True`` also requires every entry to be valid
-    ShapeEval metadata (the ``shapes`` reward scores from it)."""
+    ShapeEval metadata (the ``shapes`` reward scores from it). ``what``: where ``spec`` came from (e.g.
+    ``"config field 'train_prompts'"``, ``"--prompts"``), named by the error of a file not there or not
+    text."""
     if spec in SPLITS:
         from flowcredit.tasks.shapes import load_prompts
 
         return load_prompts(spec)
     path = Path(spec)
     if not path.is_file():
-        raise UserError(f"prompt set {spec!r}: not a ShapeEval split {SPLITS} nor an existing file")
-    lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
+        raise PathError(what, spec, f"not a ShapeEval split {SPLITS} nor an existing file")
+    with reading(what, spec):
+        lines = [ln.strip() for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
     if not lines:
-        raise UserError(f"prompt set {spec!r}: the file holds no prompts")
+        raise PathError(what, spec, "the file holds no prompts")
     if path.suffix != ".jsonl":
         metas = [{"prompt": ln} for ln in lines]
     else:
@@ -54,9 +58,11 @@ def read_prompts(spec: str, shapes_metadata: bool = False) -> list[dict]:
     return metas
 
 
-def load_prompt_set(spec: str, limit: int, spread: bool, shapes_metadata: bool = False) -> list[dict]:
+def load_prompt_set(
+    spec: str, limit: int, spread: bool, shapes_metadata: bool = False, what: str = "prompt set"
+) -> list[dict]:
     """:func:`read_prompts`, then the first ``limit`` prompts, or ``limit`` spread evenly (0: all)."""
-    metas = read_prompts(spec, shapes_metadata)
+    metas = read_prompts(spec, shapes_metadata, what)
     if not limit or limit >= len(metas):
         return metas
     if spread:

@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flowcredit.errors import UserError
+from flowcredit.errors import UserError, reading
 from flowcredit.models.diffusers_common import default_device
 from flowcredit.tasks.geneval.metadata import COCO_CLASSES
 from flowcredit.tasks.geneval.rules import COLORS, ColorFn, Found, Scene
@@ -274,7 +274,8 @@ class Mask2FormerDetector:
         self.model = _load_model(path, self.device, DTYPES[dtype])
         self.classes = _check_classes(self.model.config, path)
         self.clip = clip_loader(REWARD, clip_dir, self.device, dtype)
-        self.pre = preprocess_config(path, image_size)
+        with reading(f"reward {REWARD!r}: option 'model_dir'", path, "preprocessor_config.json"):
+            self.pre = preprocess_config(path, image_size)
         self.batch_size, self.dtype = int(batch_size), DTYPES[dtype]
         self._classifiers: dict[str, torch.Tensor] = {}
 
