@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check flowcredit tests benchmarks
 
 mutants: $(STAMP)  # does the suite notice a broken loop? (docs/testing.md; ~8 min)
-	$(PY) benchmarks/mutants.py
+	$(PY) benchmarks/mutants/mutants.py
 
 demo: $(STAMP)
 	$(PY) -m flowcredit demo

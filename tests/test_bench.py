@@ -62,7 +62,7 @@ def test_changed_config_is_not_mixed_into_an_existing_bench(tmp_path):
 
 def test_a_grid_moved_to_another_directory_resumes(tmp_path):
     """A parked run restored into another clone: its config.json names the old run_dir, nothing else
-    differs, and it has a checkpoint, so the bench resumes it (benchmarks/skill_grid_park.py)."""
+    differs, and it has a checkpoint, so the bench resumes it (benchmarks/skill_grid/skill_grid_park.py)."""
     cell = bench.plan_cells(_args(), [])[0]
     runs = tmp_path / "moved" / "runs"
     _, cfg, _ = bench.plan_run(cell, 0, runs)

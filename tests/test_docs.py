@@ -51,7 +51,7 @@ def test_algorithms_doc_has_a_section_per_newer_preset():
 
 def test_code_cites_existing_sections_and_no_outside_spec():
     headings = set(re.findall(r"^##+ (\d+(?:\.\d+)?)\.? ", ALGORITHMS, flags=re.M))
-    for path in [*REPO.glob("flowcredit/**/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("docs/*.md")]:
+    for path in [*REPO.glob("flowcredit/**/*.py"), *REPO.glob("benchmarks/**/*.py"), *REPO.glob("docs/*.md")]:
         text = path.read_text()
         assert not re.search(r"\bSPEC\b", text), f"{path} cites SPEC, which is not in the repository"
         for section in re.findall(r"docs/algorithms\.md §(\d+(?:\.\d+)?)", text):

@@ -1,4 +1,4 @@
-"""benchmarks/grid_yield.py: which processes are the grid, and how many cores the others used, from
+"""benchmarks/skill_grid/grid_yield.py: which processes are the grid, and how many cores the others used, from
 hand-made ``/proc`` reads; and one real read of this process's own tree."""
 
 import importlib.util
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "grid_yield.py"
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "skill_grid" / "grid_yield.py"
 spec = importlib.util.spec_from_file_location("grid_yield", SCRIPT)
 grid_yield = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(grid_yield)

@@ -1,4 +1,4 @@
-"""benchmarks/skill_grid_plan.py: the grid's runs in order, each run's state, and the seconds per
+"""benchmarks/skill_grid/skill_grid_plan.py: the grid's runs in order, each run's state, and the seconds per
 iteration it plans with, on hand-made folders."""
 
 import importlib.util
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "skill_grid_plan.py"
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "skill_grid" / "skill_grid_plan.py"
 spec = importlib.util.spec_from_file_location("skill_grid_plan", SCRIPT)
 plan = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(plan)

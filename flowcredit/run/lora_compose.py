@@ -5,7 +5,7 @@ matmul per layer instead of peft's three (``op(x, W) + s·B(A(x))``), and still 
 Equal to peft's forward up to float round-off (``(W + sBA)x`` vs ``Wx + s·B(Ax)``: about 1e-7
 relative in float32; tests/test_lora_compose.py). On the built-in model's small layers, where
 peft's three calls and their Python overhead dominate, one skill iteration takes 0.73× the time
-(rollout 0.6×, update 0.78×; benchmarks/throughput.py). It costs one weight-sized gradient per layer
+(rollout 0.6×, update 0.78×; benchmarks/speed/throughput.py). It costs one weight-sized gradient per layer
 in the backward (``dW' = dy·xᵀ``, from which ``dA`` and ``dB`` follow), which on large layers is a
 full matmul that peft's forward avoids; so ``lora_forward="auto"`` composes on the built-in model
 only. A layer with LoRA disabled (the reference policy) or merged runs its base layer, as peft does.

@@ -1,5 +1,5 @@
 """Throughput of an SD3.5-Medium-sized pipeline with random weights: the adapter's velocity rate and one
-GRPO iteration per preset, against the NFE floor (as ``benchmarks/throughput.py`` does on the CPU).
+GRPO iteration per preset, against the NFE floor (as ``benchmarks/speed/throughput.py`` does on the CPU).
 
 No weights are downloaded. The pipeline is built in memory from diffusers classes on the default device
 (CUDA if present): SD3.5-Medium's transformer architecture (2.24 B parameters) and SD3's VAE, in bf16 with
@@ -9,8 +9,8 @@ and sequence lengths (77 CLIP + 256 T5 tokens), so the transformer sees real SD3
 trainer is handed this adapter (``build_session(cfg, model=…)``; loading weights is all it skips).
 Random weights cost what trained ones do; the reward is jpeg compressibility (CPU).
 
-    bash benchmarks/gpu_check.sh                                       # on the GPU machine
-    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/gpu_throughput.py --small   # CPU check
+    bash benchmarks/gpu/gpu_check.sh                                   # on the GPU machine
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/gpu/gpu_throughput.py --small   # CPU check
 
 ``--small`` shrinks the transformer (2 layers, width 64), the images (64 px) and the VAE.
 """
@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_diffusers' helpers
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests"))  # tiny_diffusers' helpers
+sys.path.insert(0, str(REPO / "benchmarks" / "memory"))  # sd35_configs: SD3.5-Medium's shapes
 
 from sd35_configs import SD3_VAE, SD35_MEDIUM  # noqa: E402
 from tiny_diffusers import _clip_config, _t5, tokenizer  # noqa: E402

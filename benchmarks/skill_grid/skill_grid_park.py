@@ -7,8 +7,8 @@ grid) from ``RUNS`` into ``DEST/<run>/``; finished runs are already published as
 already; then the same ``flowcredit bench`` command resumes them from their checkpoints (resume is
 exact: docs/testing.md), and the parked copies can be deleted.
 
-    .venv/bin/python benchmarks/skill_grid_park.py park      # RUNS, DEST: the defaults below
-    .venv/bin/python benchmarks/skill_grid_park.py restore
+    .venv/bin/python benchmarks/skill_grid/skill_grid_park.py park      # RUNS, DEST: the defaults below
+    .venv/bin/python benchmarks/skill_grid/skill_grid_park.py restore
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ training activations are an *extrapolation*: the H200 measurement of an SD3.5-Me
 1024 image + 333 text tokens, 24 layers of width 1536) gives bytes per (row · token · layer · channel);
 each recipe's update is scaled linearly in rows, tokens, layers and width. That ignores architecture
 differences (MLP ratios, cross- vs joint attention) and assumes memory-linear attention (SDPA): treat
-it as ±2×. Usage: ``python benchmarks/memory_estimate.py``.
+it as ±2×. Usage: ``python benchmarks/memory/memory_estimate.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Plot a sweep file (benchmarks/sweep.py output): evaluation soft score vs minutes, one line per seed.
+"""Plot a sweep file (``sweep.py``'s output): evaluation soft score vs minutes, one line per seed.
 
-.venv/bin/python benchmarks/plot_sweep.py benchmarks/results/sweep.jsonl docs/img/demo_eval_vs_minutes.png
+.venv/bin/python benchmarks/recipes/plot_sweep.py benchmarks/results/sweep.jsonl \\
+    docs/img/demo_eval_vs_minutes.png
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The powered comparison on one CUDA GPU (the tiny model on CUDA, many runs at once):
-#   bash benchmarks/gpu_bench.sh [SEEDS] [JOBS]
+#   bash benchmarks/gpu/gpu_bench.sh [SEEDS] [JOBS]
 # 1. a smoke run (one quick iteration on CUDA) that stops the script early if the device path is broken;
 # 2. flowcredit bench --task compare over SEEDS (default 0..7) with JOBS runs at once (default 16):
 #    the four presets and their one-step-value rows;
@@ -11,7 +11,7 @@
 # Every 20 s the finished runs' small files go to $OUT/runs.tgz, so a run cut off by the time limit
 # still returns what finished; `flowcredit bench … --report_only` rebuilds the tables from them.
 set -o pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/out}
 SEEDS=${1:-0,1,2,3,4,5,6,7}
 JOBS=${2:-16}

@@ -8,7 +8,7 @@ floor (std over the noise seeds of the overall score, as the run's own evaluatio
 a 95 % bootstrap interval of the paired change (prompts resampled within
 their category, 2,000 draws, fixed seed).
 
-    .venv/bin/python benchmarks/skill_compare.py runs/skill/base-eval/eval.json \
+    .venv/bin/python benchmarks/recipes/skill_compare.py runs/skill/base-eval/eval.json \
         runs/skill/tp-s0-eval/eval.json runs/skill/tp-s1-eval/eval.json --names base,tp-s0,tp-s1
 """
 

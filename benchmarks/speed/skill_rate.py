@@ -8,7 +8,7 @@ the built-in model's default) — the iteration's seconds per phase and its rate
 fraction of sgemm. Both forwards run the same iteration 0 of the same session (weights and optimizer
 restored before each), alternating, ``--repeats`` times; the best of each is reported.
 
-    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/skill_rate.py --threads 2
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/speed/skill_rate.py --threads 2
 
 Take figures from a quiet machine; the ratio of the two forwards, measured side by side, is the
 robust number. The first line names the CPU (model, vector extensions, torch's kernel level), so rows

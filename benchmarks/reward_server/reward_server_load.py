@@ -2,7 +2,7 @@
 
 For each checkout given (``--code NAME=PATH``), the script starts that checkout's ``flowcredit
 serve-reward`` in a subprocess on a free loopback port, serving :func:`batchable` (sleeps ``--sleep-ms``
-per call whatever the batch size, like a GPU model), and measures
+per call whatever the batch size, like a GPU model), and measures (the clients: ``reward_server_client.py``)
 
 1. load: ``--clients`` processes each send ``--requests`` one-image requests (64², stdlib http.client,
    one connection each, a new request as soon as the last is answered): wall time, throughput, p50 / p95
@@ -22,7 +22,7 @@ per call whatever the batch size, like a GPU model), and measures
 Everything is bounded: a fixed number of requests, 120 s per request, attacks bounded in connections,
 bytes and time, servers killed at the end.
 
-    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/reward_server_load.py \\
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/reward_server/reward_server_load.py \\
         --code old=/path/to/old/checkout --code new=.
 """
 
@@ -31,10 +31,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import multiprocessing
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+from reward_server_client import load, peak_rss_mib, post, reward_calls, to_png  # beside this script
 
 HERE = Path(__file__).resolve().parent
 SLEEP_S = float(os.environ.get("REWARD_SERVER_LOAD_SLEEP_S", "0.1"))
@@ -86,7 +85,7 @@ class Hostile:
                     return
 
     def _failing(self) -> None:
-        body = json.dumps({"images": [_png(torch.rand(3, 64, 64))], "prompts": ["reject me"]}).encode()
+        body = json.dumps({"images": [to_png(torch.rand(3, 64, 64))], "prompts": ["reject me"]}).encode()
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         while not self.done.is_set():
             try:
@@ -102,12 +101,6 @@ class Hostile:
             sock.close()
         for t in self.threads:
             t.join(timeout=130)
-
-
-def _png(image: torch.Tensor) -> str:
-    from flowcredit.rewards.wire import encode_png
-
-    return encode_png(image)
 
 
 def start(
@@ -131,85 +124,11 @@ def start(
     return proc, int(line.split(" on http://")[1].split()[0].rsplit(":", 1)[1])
 
 
-def post(conn: http.client.HTTPConnection, body: bytes) -> list:
-    conn.request("POST", "/score", body=body, headers={"Content-Type": "application/json"})
-    response = conn.getresponse()
-    data = response.read()
-    if response.status != 200:
-        raise RuntimeError(f"HTTP {response.status}: {data[:200]!r}")
-    return json.loads(data)["rewards"]
-
-
-def _client(port: int, body: bytes, requests: int, ready, results) -> None:
-    """One client process: connect, wait for the others, send ``requests`` in turn (a failed one is
-    counted, and the next goes on a new connection); latencies of the answered ones, and errors, out."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.connect()
-    latencies, errors = [], []
-    ready.wait()
-    for _ in range(requests):
-        t0 = time.perf_counter()
-        try:
-            post(conn, body)
-            latencies.append(time.perf_counter() - t0)
-        except Exception as exc:  # reported, not raised: the other clients finish
-            errors.append(repr(exc)[:160])
-            conn.close()
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.close()
-    results.put((latencies, errors))
-
-
-def load(port: int, clients: int, requests: int) -> dict:
-    """``clients`` processes (like training ranks; threads would queue on one GIL) × ``requests``
-    one-image requests each, one after the other (after one warm-up request): wall time and latencies."""
-    warm_up = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    try:
-        post(warm_up, json.dumps({"images": [_png(torch.rand(3, 64, 64))], "prompts": ["warm-up"]}).encode())
-    except (OSError, RuntimeError, http.client.HTTPException) as exc:  # reported with the clients' errors
-        warm_up_error = repr(exc)
-    else:
-        warm_up_error = None
-    warm_up.close()
-    ctx = multiprocessing.get_context("fork")  # the clients use only http.client
-    ready, results = ctx.Barrier(clients + 1), ctx.Queue()
-    procs = []
-    for k in range(clients):
-        body = json.dumps({"images": [_png(torch.rand(3, 64, 64))], "prompts": [f"client {k}"]}).encode()
-        procs.append(ctx.Process(target=_client, args=(port, body, requests, ready, results)))
-        procs[-1].start()
-    ready.wait()
-    t0 = time.perf_counter()
-    answers = [results.get(timeout=600) for _ in procs]
-    wall = time.perf_counter() - t0
-    for proc in procs:
-        proc.join()
-    latencies = [t for ts, _ in answers for t in ts]
-    errors = [e for _, es in answers for e in es]
-    if not latencies:  # every request failed
-        return {"requests": 0, "failed": len(errors), "errors": list(dict.fromkeys(errors))[:3]}
-    q = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
-    return {
-        "requests": len(latencies),
-        "failed": len(errors),
-        "errors": ([warm_up_error] if warm_up_error else []) + list(dict.fromkeys(errors))[:3],
-        "wall_s": round(wall, 3),
-        "requests_per_s": round(len(latencies) / wall, 2),
-        "p50_ms": round(1000 * statistics.median(latencies), 1),
-        "p95_ms": round(1000 * q[18], 1),
-    }
-
-
-def peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return round(next(int(ln.split()[1]) for ln in f if ln.startswith("VmHWM")) / 1024, 1)
-
-
 def memory(pid: int, port: int, counts: list[int], size: int) -> dict:
     """Peak RSS after one request of each count of ``size``² images (after a one-image warm-up)."""
     ramp = torch.linspace(0, 1, size)
     image = torch.stack([ramp.expand(size, size), ramp.expand(size, size).T, torch.full((size, size), 0.3)])
-    png = _png(image)
+    png = to_png(image)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     post(conn, json.dumps({"images": [png], "prompts": ["warm-up"]}).encode())
     out = {"after_1": peak_rss_mib(pid)}
@@ -222,16 +141,8 @@ def memory(pid: int, port: int, counts: list[int], size: int) -> dict:
     return out
 
 
-def reward_calls(port: int) -> int | None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    conn.request("GET", "/health")
-    info = json.loads(conn.getresponse().read())
-    conn.close()
-    calls = info.get("reward_calls")
-    return sum(calls.values()) if isinstance(calls, dict) else None
-
-
 def main(argv: list[str] | None = None) -> None:
+    # imported here: the served process imports this module for batchable alone
     from reward_server_attacks import ATTACKS, attacks, probes  # beside this script
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

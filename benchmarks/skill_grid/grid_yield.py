@@ -6,7 +6,7 @@ Measured on the 2-core machine: a 2-thread torch job beside the grid's 2-thread 
 not merely lower its priority, whenever a test suite, a CI run or a benchmark starts; this watcher does
 it without anyone remembering to ``skill_grid_bg.sh pause``.
 
-    python benchmarks/grid_yield.py LEADER_PID [--busy 0.5] [--quiet_s 60] [--every 5]
+    python benchmarks/skill_grid/grid_yield.py LEADER_PID [--busy 0.5] [--quiet_s 60] [--every 5]
 
 The grid is every descendant of ``LEADER_PID`` (``skill_grid_bg.sh run``); everything else counts as
 other work. It reads ``/proc`` only (Linux) and exits when the leader does, or on SIGTERM, continuing what

@@ -6,8 +6,8 @@ timesteps). Both run on the same SD3 pipeline object, the same LoRA'd transforme
 weights before each update), the same prompts, initial noise, group size, steps, noise level and
 guidance, in one process, alternating, so the ratio is measured side by side.
 
-    .venv/bin/python benchmarks/peer_flow_grpo.py --peer ../shared/peers/flow_grpo            # tiny SD3, CPU
-    python benchmarks/peer_flow_grpo.py --peer PATH --size medium --device cuda --dtype bfloat16
+    .venv/bin/python benchmarks/peer/peer_flow_grpo.py --peer ../shared/peers/flow_grpo       # tiny SD3, CPU
+    python benchmarks/peer/peer_flow_grpo.py --peer PATH --size medium --device cuda --dtype bfloat16
 
 ``--size medium`` builds a random-weight pipeline whose transformer and VAE have SD3.5-Medium's
 shapes (24 MMDiT blocks of width 1536, 16 latent channels, 1024 px), with one-layer text encoders of
@@ -39,10 +39,12 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from peer_code import load_peer, peer_backward, peer_rollout, peer_update
-from sd35_configs import SD3_VAE, SD35_MEDIUM
+from peer_code import load_peer, peer_backward, peer_rollout, peer_update  # beside this script
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks" / "memory"))  # sd35_configs: SD3.5-Medium's shapes
+from sd35_configs import SD3_VAE, SD35_MEDIUM  # noqa: E402
+
 PROMPTS = ["a red square", "a photo of a cat", "a big blue circle on the sign", "a green triangle"]
 
 

@@ -1,4 +1,4 @@
-"""A mutant of ``benchmarks/mutants.py``, and the files and tests that more than one area names."""
+"""A mutant of ``benchmarks/mutants/mutants.py``, and the files and tests that more than one area names."""
 
 from __future__ import annotations
 

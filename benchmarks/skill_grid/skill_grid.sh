@@ -6,9 +6,9 @@
 # as a CPU cross-check (issue 39: their first look ran on a GPU on 2026-12-04,
 # benchmarks/results/skill_compare_gpu; GPU and CPU runs are never pooled). Resumable: finished runs
 # are read from the published JSON, unfinished ones resume from their checkpoints (restore parked
-# ones first: benchmarks/skill_grid_park.py restore).
-#   bash benchmarks/skill_grid.sh [PUBLISH_DIR]     # one 2-thread run at a time; pause it around other torch
-#                                                   # work (skill_grid_bg.sh runs it and pauses it itself)
+# ones first: benchmarks/skill_grid/skill_grid_park.py restore).
+#   bash benchmarks/skill_grid/skill_grid.sh [PUBLISH_DIR]  # one 2-thread run at a time; pause it around other
+#                                                          # torch work (skill_grid_bg.sh runs it and pauses it itself)
 set -euo pipefail
 PUBLISH=${1:-benchmarks/results/skill_compare/runs}
 PY=${PY:-.venv/bin/python}
@@ -23,7 +23,7 @@ bench dense 10,11,12,13   # DenseGRPO as published: first in the third round (is
 bench dense_euler1_cps,dance_psi 10,11   # which of dense_euler1's two changes costs the score
 bench tp 14,15,16,17
 # seeds 14–17 for each new arm whose primary verdict is still inconclusive at n = 4 (issue 37's rule)
-more=$("$PY" benchmarks/skill_grid_plan.py --straddling dense_euler1,stepwise,dense,tp_equal_nfe \
+more=$("$PY" benchmarks/skill_grid/skill_grid_plan.py --straddling dense_euler1,stepwise,dense,tp_equal_nfe \
     --published "$PUBLISH") || { echo "skill_grid: no verdicts read; seeds 14-17 of the new arms skipped" >&2; more=; }
 if [ -n "$more" ]; then bench "$more" 14,15,16,17; fi
 bench mixgrpo,tempflow,egrpo,grpo_guard,nft_quarter,awm_quarter 10,11   # issue 39, on the CPU

@@ -10,8 +10,8 @@
 3. Batched lock-step completions (``flowcredit.values.complete`` over every state of every trajectory
    at once) vs completing each state alone: wall-time ratio at equal NFE.
 
-    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/throughput.py
-    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/throughput.py --profile dense_grpo
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/speed/throughput.py
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/speed/throughput.py --profile dense_grpo
 
 Small settings (``--prompts 2 --group 8``, N = 10, ``dense_grpo`` without calibration, which changes
 ψ but not the cost) keep the whole script near three minutes on 2 cores. Timings vary run to run.

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check, run from the repository root on a machine with one CUDA GPU and no network:
-#   bash benchmarks/gpu_check.sh
+#   bash benchmarks/gpu/gpu_check.sh
 # 1. installs diffusers from .gpuwheels/ (pip; if pip refuses, the wheel is unpacked onto PYTHONPATH;
 #    missing pure-python dependencies come from .gpuwheels/deps/ the same way),
 # 2. prints nvidia-smi and the library versions,
 # 3. runs the diffusers adapter tests on CUDA (FLOWCREDIT_TEST_DEVICE=cuda; the trainer tests always
 #    use CUDA when it is there),
-# 4. runs benchmarks/gpu_throughput.py (SD3.5-Medium-sized random pipeline).
+# 4. runs benchmarks/gpu/gpu_throughput.py (SD3.5-Medium-sized random pipeline).
 # Every step runs even if an earlier one failed; the exit codes are summarised at the end and the script
 # exits with the largest. Output: $OUT/gpu_check.log (everything) and $OUT/gpu_throughput.json.
 set -o pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 SITE=/tmp/gpu_check_site # fallback install target, put on PYTHONPATH
@@ -74,7 +74,7 @@ main() {
     step versions versions
     step adapter-tests timeout 240 python3 -m pytest -q -x -rs --durations=10 -p no:cacheprovider \
         tests/test_adapters_diffusers.py tests/test_adapters_diffusers_text.py
-    step throughput timeout 300 python3 benchmarks/gpu_throughput.py --json "$OUT/gpu_throughput.json"
+    step throughput timeout 300 python3 benchmarks/gpu/gpu_throughput.py --json "$OUT/gpu_throughput.json"
     echo -e "\n===== summary (exit codes; 124 = timed out): ${SUMMARY[*]}"
     local worst=0 item
     for item in "${SUMMARY[@]}"; do

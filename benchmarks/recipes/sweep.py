@@ -5,7 +5,7 @@ two torch jobs at once on a small CPU), and appends one JSON line per evaluation
 ``{"recipe", "seed", "iteration", "minutes", "eval/train/soft", "eval/test/soft", "floor/..."}``.
 A finished (recipe, seed) cell is skipped on re-runs.
 
-    .venv/bin/python benchmarks/sweep.py --recipes benchmarks/recipes.json --seeds 0,1,2 \
+    .venv/bin/python benchmarks/recipes/sweep.py --recipes benchmarks/recipes/recipes.json --seeds 0,1,2 \
         --out benchmarks/results/sweep.jsonl
 """
 

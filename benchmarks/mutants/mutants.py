@@ -7,8 +7,8 @@ copies the working tree to a temporary directory, checks that the chosen tests p
 then applies one mutant at a time, runs the tests that should catch it (``pytest -x``), and reports
 which test killed it, or that it survived. The working tree itself is never edited.
 
-    .venv/bin/python benchmarks/mutants.py                 # all; writes benchmarks/results/mutants.{json,md}
-    .venv/bin/python benchmarks/mutants.py --only adv_sign_in_update,kl_sign
+    .venv/bin/python benchmarks/mutants/mutants.py         # all; writes benchmarks/results/mutants.{json,md}
+    .venv/bin/python benchmarks/mutants/mutants.py --only adv_sign_in_update,kl_sign
 
 Every test named here is part of ``make test``, so a mutant killed here is killed by ``make test``.
 Runs in about 7.5 minutes on a 2-core AMD EPYC (73 mutants); `--only A,B --merge` reruns some
@@ -34,7 +34,7 @@ from pathlib import Path
 from mutant_catalogue import MUTANTS, Mutant  # beside this script
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def copy_tree(dst: Path) -> None:
@@ -111,7 +111,8 @@ def write_report(rows: list[dict], out: Path, notes: tuple[str, ...] = ()) -> No
     lines = [
         "# Mutation check of the training glue",
         "",
-        f"`benchmarks/mutants.py`: {killed} of {len(rows)} mutants killed. Each row is one semantic bug",
+        f"`benchmarks/mutants/mutants.py`: {killed} of {len(rows)} mutants killed. "
+        "Each row is one semantic bug",
         "applied alone to a copy of the tree; *killed by* is the first test that failed (`pytest -x`).",
         "",
         *(x for note in notes for x in (note, "")),

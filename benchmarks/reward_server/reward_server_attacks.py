@@ -17,13 +17,13 @@ import time
 from collections import deque
 
 import torch
-from reward_server_load import _png, load, peak_rss_mib, reward_calls
+from reward_server_client import load, peak_rss_mib, reward_calls, to_png  # beside this script
 
 ATTACKS = ("headers", "flood", "slow_max", "reconnecting_failing", "rejected_once", "bodies")
 
 
 def _reject_body() -> bytes:
-    return json.dumps({"images": [_png(torch.rand(3, 64, 64))], "prompts": ["reject me"]}).encode()
+    return json.dumps({"images": [to_png(torch.rand(3, 64, 64))], "prompts": ["reject me"]}).encode()
 
 
 class Attack:
@@ -123,7 +123,7 @@ class Attack:
         self._send_all(self._forever(_reject_body()), keep_alive=False)
 
     def _rejected_once(self) -> None:
-        good = json.dumps({"images": [_png(torch.rand(3, 64, 64))], "prompts": ["once refused"]}).encode()
+        good = json.dumps({"images": [to_png(torch.rand(3, 64, 64))], "prompts": ["once refused"]}).encode()
         self._send_all([_reject_body(), *self._forever(good)], keep_alive=True)
 
     def _bodies(self) -> None:
@@ -157,14 +157,14 @@ def probes(port: int) -> dict:
     cases = {
         "png16_behind_a_chunk": ({"images": [_png16_behind_a_chunk()], "prompts": ["x"]}, "application/json"),
         "error_with_a_path": (
-            {"images": [_png(torch.rand(3, 8, 8))], "prompts": ["fail: /weights.bin"]},
+            {"images": [to_png(torch.rand(3, 8, 8))], "prompts": ["fail: /weights.bin"]},
             None,
         ),
         "error_with_a_lone_surrogate": (
-            {"images": [_png(torch.rand(3, 8, 8))], "prompts": ["fail: \ud800"]},
+            {"images": [to_png(torch.rand(3, 8, 8))], "prompts": ["fail: \ud800"]},
             None,
         ),
-        "text_plain_body": ({"images": [_png(torch.rand(3, 8, 8))], "prompts": ["x"]}, "text/plain"),
+        "text_plain_body": ({"images": [to_png(torch.rand(3, 8, 8))], "prompts": ["x"]}, "text/plain"),
     }
     out = {}
     for name, (body, kind) in cases.items():

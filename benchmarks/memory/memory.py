@@ -2,7 +2,8 @@
 ``gradient_checkpointing`` and ``compile`` options, on the built-in tiny model and a tiny random SD3
 pipeline (``tests/tiny_diffusers.py``), on the CPU.
 
-    flock /tmp/flowcredit-torch.lock python benchmarks/memory.py --out benchmarks/results/memory_cpu.json
+    flock /tmp/flowcredit-torch.lock python benchmarks/memory/memory.py \\
+        --out benchmarks/results/memory_cpu.json
 
 Every (model, option) pair runs in a fresh subprocess, one after the other in one invocation, with one
 torch thread. Per pair: the first call (``compile`` compiles there), the median of ``--reps`` timed
@@ -26,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OPTIONS = {
     "base": {},
     "gradient_checkpointing": {"gradient_checkpointing": True},

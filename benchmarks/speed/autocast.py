@@ -4,8 +4,8 @@ Each mode builds its own session and runs ``--warmup`` untimed iterations, then 
 (fp32, bf16, fp32, bf16, …) so drifting machine load hits both alike; the table gives the median.
 Only CPUs with AMX / AVX512-bf16 (and GPUs) gain: on AVX2-only CPUs bf16 is many times slower.
 
-    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/autocast.py          # ≈ 2 min, skill
-    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/autocast.py --preset demo --repeats 2
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/speed/autocast.py    # ≈ 2 min, skill
+    flock /tmp/flowcredit-torch.lock .venv/bin/python benchmarks/speed/autocast.py --preset demo --repeats 2
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ rollout noise, so until their policies part the difference is 0, and afterwards 
 recipe changed on the very prompts it trained on, free of the prompt-draw noise that dominates
 either run's own curve.
 
-    .venv/bin/python benchmarks/skill_runs.py runs/skill/H-s0 runs/skill/I-s0 --paired runs/skill/G-s0
+    .venv/bin/python benchmarks/recipes/skill_runs.py runs/skill/H-s0 runs/skill/I-s0 --paired runs/skill/G-s0
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The skill comparison on one CUDA GPU (the tiny model on CUDA, many runs at once), as one prepared
 # script that fits one device call and resumes across calls:
-#   bash benchmarks/gpu_skill_grid.sh [SKILL_SEEDS] [JOBS] [ARMS]
+#   bash benchmarks/skill_grid/gpu_skill_grid.sh [SKILL_SEEDS] [JOBS] [ARMS]
 # 1. (CONFIRM=1; done on 2026-12-04: benchmarks/results/bench_gpu_confirm) the pre-registered
 #    confirmation of the demo-task finding (docs/benchmarks.md, "The powered comparison"): TP-GRPO
 #    vs Flow-GRPO, both with Flow-GRPO's KL (β 0.04, kl_mode flow_grpo), the compare task, NEW seeds 16–31, at most CONFIRM_S seconds;
@@ -11,13 +11,13 @@
 #    benchmarks/results/skill_compare_gpu/runs; GPU runs: never mix them with the CPU runs of
 #    benchmarks/results/skill_compare).
 # At DEADLINE_S seconds after the start the unfinished runs are stopped and their resumable state
-# (benchmarks/skill_grid_park.py) comes back as $OUT/inflight.tgz.aa (.ab, …: cat them, untar, commit
+# (benchmarks/skill_grid/skill_grid_park.py) comes back as $OUT/inflight.tgz.aa (.ab, …: cat them, untar, commit
 # the folder as benchmarks/results/skill_compare_gpu/inflight/) and the next call resumes them.
 # Every 20 s the small files (published JSON, tables, logs, metrics) go to $OUT/runs.tgz, so a call
 # cut off by its time limit still returns what finished. A dry run on the CPU:
-#   DEVICE=cpu QUICK=1 CONFIRM_SEEDS=0 PY=.venv/bin/python bash benchmarks/gpu_skill_grid.sh 0 2 nft_quarter,grpo_guard
+#   DEVICE=cpu QUICK=1 CONFIRM_SEEDS=0 PY=.venv/bin/python bash benchmarks/skill_grid/gpu_skill_grid.sh 0 2 nft_quarter,grpo_guard
 set -o pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/out}
 SKILL_SEEDS=${1:-10,11,12,13}
 JOBS=${2:-16}
@@ -69,7 +69,7 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 PUBLISHED=benchmarks/results/skill_compare_gpu/runs  # finished runs are read from there, not rerun
 if [ -d "$PUBLISHED" ]; then cp -n "$PUBLISHED"/*.json "$RESULTS/runs/"; fi
-if [ -d "$PARKED" ]; then "$PY" benchmarks/skill_grid_park.py restore runs/skill-gpu/runs "$PARKED"; fi
+if [ -d "$PARKED" ]; then "$PY" benchmarks/skill_grid/skill_grid_park.py restore runs/skill-gpu/runs "$PARKED"; fi
 
 if [ "$CONFIRM" = 1 ]; then
     t0=$SECONDS
@@ -86,7 +86,7 @@ until_deadline $((DEADLINE_S - SECONDS)) "$PY" -m flowcredit bench --task skill 
 echo "===== skill grid: exit $? after $((SECONDS - t0)) s"
 kill $PACKER
 mkdir -p "$OUT/inflight"
-"$PY" benchmarks/skill_grid_park.py park runs/skill-gpu/runs "$OUT/inflight"
+"$PY" benchmarks/skill_grid/skill_grid_park.py park runs/skill-gpu/runs "$OUT/inflight"
 tar czf - -C "$OUT" inflight | split -b 15m - "$OUT/inflight.tgz." && rm -rf "$OUT/inflight"  # 16 MiB a file
 for log in runs/skill-gpu/runs/*.log; do  # each run's last progress line: iterations reached, s/it
     [ -f "$log" ] && echo "$(basename "$log"): $(tr '\r' '\n' <"$log" | grep -a 'it/s\|s/it' | tail -1 | cut -c1-110)"

@@ -1,15 +1,15 @@
-"""How far the CPU skill grid got and how long the rest takes: every run of ``benchmarks/skill_grid.sh``
+"""How far the CPU skill grid got and how long the rest takes: every run of ``skill_grid.sh`` (beside this)
 in its order, with its state (published, at checkpoint k of n, or not started) and the hours it still
 needs on this machine; with ``--straddling``, which arms still have an inconclusive verdict (the grid
 gives them more seeds).
 
-    .venv/bin/python benchmarks/skill_grid_plan.py [--worktree /work/grid]
-    .venv/bin/python benchmarks/skill_grid_plan.py --straddling stepwise,dense [--published DIR]
+    .venv/bin/python benchmarks/skill_grid/skill_grid_plan.py [--worktree /work/grid]
+    .venv/bin/python benchmarks/skill_grid/skill_grid_plan.py --straddling stepwise,dense [--published DIR]
 
 Seconds per iteration per arm: the median of ``timings.jsonl`` over that arm's runs on this machine (the
 grid's worktree and the parked copies: the median ignores the iterations a pause or other work
 stretched); for an arm not run yet, its side-by-side time from ``iteration_times.json``
-(``benchmarks/skill_rate.py --arms``) scaled by how the measured arms ran against theirs; otherwise
+(``benchmarks/speed/skill_rate.py --arms``) scaled by how the measured arms ran against theirs; otherwise
 unknown. Each run also pays its held-out evaluation (the median gap between a run's ``final/`` and its
 ``heldout/eval.json``). Estimates, for planning: the grid yields the CPU to other work, so the wall
 time is longer.
@@ -23,8 +23,8 @@ import re
 import statistics
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "skill_compare"
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE.parent / "results" / "skill_compare"
 
 
 def grid_runs(script: Path) -> list[tuple[str, str]]:
@@ -132,7 +132,7 @@ def main() -> None:
     eval_min = evaluation_minutes(worktree_runs)
     print("| run | state | iterations | s per iteration | hours left |\n|---|---|---|---|---|")
     hours, unknown = 0.0, []
-    for arm, name in grid_runs(ROOT / "benchmarks" / "skill_grid.sh"):
+    for arm, name in grid_runs(HERE / "skill_grid.sh"):
         done, where = run_state(name, places, RESULTS / "runs")
         if done is None:
             print(f"| {name} | published | | | |")
@@ -149,7 +149,7 @@ def main() -> None:
         print(f"| {name} | {state} | {done} / {total} | {cells} |")
     print(f"\nLeft: {hours:.1f} h of known runs (evaluation {eval_min:.1f} min each)", end="")
     print(f"; {len(unknown)} runs of arms never timed here." if unknown else ".")
-    if wanted := re.search(r"--straddling (\S+)", (ROOT / "benchmarks" / "skill_grid.sh").read_text()):
+    if wanted := re.search(r"--straddling (\S+)", (HERE / "skill_grid.sh").read_text()):
         now = straddling(RESULTS / "runs", wanted.group(1).split(","))
         print(f"Not counted: seeds 14–17 of the arms of {wanted.group(1)} still inconclusive when their turn")
         print(f"comes (today: {', '.join(now) or 'none'}).")

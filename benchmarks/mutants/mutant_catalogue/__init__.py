@@ -1,0 +1,19 @@
+"""The mutants of ``benchmarks/mutants/mutants.py`` (issue 28): each one semantic bug, written as an
+exact edit of one line of ``flowcredit/``, with the tests that should catch it. The runner is ``mutants.py``
+beside this folder; the mutants are declared by area: ``glue.py`` (the training loop's glue and what
+surrounds it, issue 28), ``newer_methods.py`` (the newer methods' loop glue, issue 39) and
+``outside_check.py`` (five behaviours an outside mutation check found, issue 54); :class:`Mutant` is
+in ``mutant.py``.
+"""
+
+from __future__ import annotations
+
+from .glue import MUTANTS as GLUE
+from .mutant import Mutant
+from .newer_methods import MUTANTS as NEWER_METHODS
+from .outside_check import MUTANTS as OUTSIDE_CHECK
+
+__all__ = ["MUTANTS", "Mutant"]
+
+MUTANTS: list[Mutant] = [*GLUE, *NEWER_METHODS, *OUTSIDE_CHECK]
+"""Every mutant, in the order of the report."""
