@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from flowcredit.commands.bench_skill import run_cost, skill_report
+from flowcredit.commands.bench_skill_report import FIXES
 from flowcredit.commands.bench_stats import ci95
 from flowcredit.tasks.shapes import CATEGORIES, load_prompts
 
@@ -23,6 +24,30 @@ from flowcredit.tasks.shapes import CATEGORIES, load_prompts
 def _cell(mean_half) -> str:
     mean, half = mean_half
     return f"{mean:+.3f}" + (f" ± {half:.3f}" if half == half else " (one seed)")
+
+
+def _label(arm: str, rep: dict) -> str:
+    """The arm's name, followed by † if some of its runs predate a fix (``before_fix``, FIXES)."""
+    return arm + " †" * bool(rep["arms"].get(arm, {}).get("before_fix"))
+
+
+def fix_notes(rep: dict) -> list[str]:
+    """The note on the arms marked †: per fix (FIXES), the runs made before it and what they did."""
+    lines = []
+    for commit, at, _, what in FIXES:
+        runs = [
+            f"{arm} (seeds {', '.join(map(str, a['before_fix'][commit]))})"
+            for arm, a in rep["arms"].items()
+            if commit in a.get("before_fix", {})
+        ]
+        if runs:
+            lines += [
+                f"† Run before the fix of {at[:10]} (commit {commit}): {what}.",
+                f"Runs: {'; '.join(runs)}. Their numbers are of the rule as it was, not as it is;",
+                "rerunning them replaces them.",
+                "",
+            ]
+    return lines
 
 
 def progress(out: Path) -> list[str]:
@@ -61,7 +86,7 @@ def _iterations(cost: dict) -> float:
     return round(cost["train_nfe"] / cost["nfe_per_iteration"])
 
 
-def cost_table(costs: dict, gpu: bool, times: dict) -> list[str]:
+def cost_table(costs: dict, gpu: bool, times: dict, rep: dict | None = None) -> list[str]:
     """Network calls and minutes per arm; with ``times`` (``iteration_times.json``), the seconds per
     iteration ÷ Flow-GRPO's timed side by side too."""
     timed = bool(times.get("arms"))
@@ -69,7 +94,8 @@ def cost_table(costs: dict, gpu: bool, times: dict) -> list[str]:
     head += ["seconds per iteration ÷ Flow-GRPO's"] * timed + ["GPU wall-minutes" if gpu else "CPU-minutes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, c in costs.items():
-        row = [arm, str(c["n"]), f"{c['nfe_per_iteration']:,.0f}", f"{c['train_nfe']:,.0f}"]
+        name = _label(arm, rep) if rep else arm
+        row = [name, str(c["n"]), f"{c['nfe_per_iteration']:,.0f}", f"{c['train_nfe']:,.0f}"]
         row += [f"{c['calibration_nfe']:,.0f}"]
         if timed:
             iterations = _iterations(c) / _iterations(costs["skill"]) if "skill" in costs else 1.0
@@ -102,12 +128,13 @@ def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
         f"Base checkpoint: strict {base['strict']['overall']:.3f}, soft {base['soft']['overall']:.3f} "
         f"(per image: strict {base['strict']['per_image']:.3f}).",
         "",
+        *fix_notes(rep),
     ]
     head = ["arm", "seeds", "strict − base", "soft − base", "strict per image", *CATEGORIES]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm, a in rep["arms"].items():
         ch, parts = a["change_from_base"], a["change_by_part"]
-        row = [arm, ",".join(map(str, a["seeds"])), _cell(ch["strict"]), _cell(ch["soft"])]
+        row = [_label(arm, rep), ",".join(map(str, a["seeds"])), _cell(ch["strict"]), _cell(ch["soft"])]
         row += [_cell(parts["strict/per_image"]), *(_cell(parts[f"strict/{c}"]) for c in CATEGORIES)]
         lines.append("| " + " | ".join(row) + " |")
     lines += ["", "## Paired differences to Flow-GRPO (`skill`), same seeds", ""]
@@ -116,7 +143,8 @@ def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
     for arm, p in rep["paired"].items():
         d = p["diff"]
         cats = [_cell(d[f"strict/{c}"]) for c in CATEGORIES]
-        row = [arm, ",".join(map(str, p["seeds"])), _cell(d["strict/overall"]), _cell(d["soft/overall"])]
+        row = [_label(arm, rep), ",".join(map(str, p["seeds"])), _cell(d["strict/overall"])]
+        row += [_cell(d["soft/overall"])]
         lines.append("| " + " | ".join([*row, _cell(d["strict/per_image"]), *cats]) + " |")
     lines += ["", "## Verdicts against Flow-GRPO (rule and margin fixed 2026-12-04, docs/benchmarks.md)", ""]
     lines += [
@@ -126,18 +154,17 @@ def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
     for arm, p in rep["paired"].items():
         v, needed = p["verdict"], p.get("seeds_for_verdict", {}).get("strict/overall")
         ended = "over 40" if needed is None else ("ended" if needed == len(p["seeds"]) else str(needed))
-        lines.append(
-            f"| {arm} | {len(p['seeds'])} | {v['strict/overall']} | {v['strict/per_image']} | {ended} |"
-        )
+        row = [_label(arm, rep), str(len(p["seeds"])), v["strict/overall"], v["strict/per_image"], ended]
+        lines.append("| " + " | ".join(row) + " |")
     lines += [
         "",
         "\\* if more seeds kept today's mean and spread of the paired differences (a planning figure,",
         "not a result: the next seeds move both).",
     ]
-    lines += ["", "## Cost per run (mean over seeds)", "", *cost_table(rep.get("cost", {}), gpu, times)]
+    lines += ["", "## Cost per run (mean over seeds)", "", *cost_table(rep.get("cost", {}), gpu, times, rep)]
     lines += ["", "## Claims", "", "| claim | arm | n | verdict |", "|---|---|---|---|"]
     for c in rep["claims"]:
-        lines.append(f"| {c['claim']} | {c['arm']} | {c['n']} | {c['verdict']} |")
+        lines.append(f"| {c['claim']} | {_label(c['arm'], rep)} | {c['n']} | {c['verdict']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -87,6 +87,8 @@ def test_the_readme_credit_rule_table_reads_the_published_results(folder, arm, c
     )
     _check_cell(cells[1], result["verdict"]["strict/overall"], result["diff"]["strict/overall"])
     _check_cell(cells[2], result["verdict"]["strict/per_image"], result["diff"]["strict/per_image"])
+    # runs from before a fix of their update rule (FIXES) are marked as the table marks them
+    assert ("run before the fix" in cells[0]) == bool(result.get("before_fix")), (cells[0], result)
 
 
 def test_the_readme_credit_rule_table_is_read():
@@ -108,3 +110,4 @@ def test_results_json_is_the_report_of_the_published_runs(folder):
         assert result["seeds"] == stored[arm]["seeds"], arm
         assert result["verdict"] == stored[arm]["verdict"], arm
         assert result["diff"]["strict/overall"] == pytest.approx(stored[arm]["diff"]["strict/overall"]), arm
+        assert result["before_fix"] == stored[arm].get("before_fix", {}), arm

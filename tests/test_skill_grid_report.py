@@ -85,3 +85,33 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
     assert Image.open(tmp_path / "compare.png").size[0] > 500
     assert Image.open(tmp_path / "curves.png").size[0] > 500
     assert report._smooth([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_runs_before_a_fix_of_their_update_rule_are_marked():
+    """A run of a rule that FIXES changed predates the fix unless every start of it (provenance) came
+    after the fix's time; the table marks its arm † in every section and says which seeds ran before."""
+    from flowcredit.commands.bench_skill_report import FIXES, fixes_missed, skill_report
+
+    commit, at, _, _ = FIXES[0]  # awm, nft: 2026-12-06T01:13:31Z
+    after, before = {"time": "2026-12-06T02:00:00Z"}, {"time": "2026-12-06T01:00:00Z"}
+    assert fixes_missed({"config": {"update": "nft"}}) == [commit]  # no provenance: published before it
+    assert fixes_missed({"config": {"update": "awm"}, "provenance": [before, after]}) == [commit]  # resumed
+    assert fixes_missed({"config": {"update": "awm"}, "provenance": [after, after]}) == []
+    assert fixes_missed({"config": {"update": "clipped"}}) == []
+    records = {"base-heldout": _record(0.2), "skill-seed10": _record(0.3), "skill-seed11": _record(0.4)}
+    for seed, prov in ((10, []), (11, [after])):
+        records[f"skill-nft_quarter-seed{seed}"] = {**_record(0.35), "config": {"update": "nft"}}
+        records[f"skill-nft_quarter-seed{seed}"]["provenance"] = prov
+    rep = skill_report(records, CATS)
+    assert rep["arms"]["skill-nft_quarter"]["before_fix"] == {commit: [10]}
+    assert rep["paired"]["skill-nft_quarter"]["before_fix"] == {commit: [10]}
+    assert rep["arms"]["skill"]["before_fix"] == {}
+    report = _grid_report()
+    report.CATEGORIES = ("colors", "counting")
+    text = report.table(rep)
+    assert f"† Run before the fix of 2026-12-06 (commit {commit})" in text
+    assert "Runs: skill-nft_quarter (seeds 10)." in text
+    marked = [line for line in text.splitlines() if line.startswith("| skill-nft_quarter † |")]
+    assert len(marked) == 3  # the arms, their paired differences, the verdicts
+    assert "with 1/4 of its network calls | skill-nft_quarter † | 2 |" in text  # the claim
+    assert "| skill † |" not in text and "| skill |" in text

@@ -36,6 +36,28 @@ EQUIVALENCE = 0.02
 equal NFE is non-inferior if it is at most 0.02 below Flow-GRPO."""
 
 
+FIXES = (
+    (
+        "819b3bc",
+        "2026-12-06T01:13:31Z",
+        ("awm", "nft"),
+        "AWM and DiffusionNFT dropped the groups whose advantages were all zero (issue 53)",
+    ),
+)
+"""(fixing commit, its UTC time, the update rules it changed, what a run before it did): fixes that
+change what a published run of those rules trained. A run predates a fix (:func:`fixes_missed`) until
+it is rerun: the report marks its arm, so its numbers are not read as the rule's as it is now."""
+
+
+def fixes_missed(record: dict) -> list[str]:
+    """The commits of :data:`FIXES` that a published run ran without: its update rule (``config.update``)
+    is one the fix changed, and not every start or resume of it (``provenance``, each with its UTC
+    ``time``; recorded since 2026-12-06) came after the fix. A run without provenance predates them."""
+    rule = record.get("config", {}).get("update")
+    starts = [str(p.get("time") or "") for p in record.get("provenance", [])]
+    return [commit for commit, at, rules, _ in FIXES if rule in rules and (not starts or min(starts) < at)]
+
+
 VERDICT_METRICS = ("strict/overall", "strict/per_image")
 """The pre-registered metrics of :func:`arm_verdict` (docs/benchmarks.md, written 2026-12-04 before the
 first DenseGRPO or Stepwise run landed): held-out strict as GenEval averages it (the mean of the
@@ -132,10 +154,13 @@ def skill_report(records: dict[str, dict], categories: dict[str, str], baseline:
 
     base = heldout_scores(records["base-heldout"]["heldout"], categories)
     arms: dict[str, dict[int, dict]] = {}
-    for name, rec in records.items():
+    before: dict[str, dict[str, list[int]]] = {}  # arm → {fixing commit: seeds run before it}
+    for name, rec in sorted(records.items()):
         arm, _, seed = name.rpartition("-seed")
         if arm and seed.isdigit() and "heldout" in rec:
             arms.setdefault(arm, {})[int(seed)] = heldout_scores(rec["heldout"], categories)
+            for commit in fixes_missed(rec):
+                before.setdefault(arm, {}).setdefault(commit, []).append(int(seed))
     out = {"base": base, "arms": {}, "paired": {}, "claims": []}
     for arm, by_seed in sorted(arms.items()):
         change = {k: ci95([s[k]["overall"] - base[k]["overall"] for s in by_seed.values()]) for k in base}
@@ -144,6 +169,7 @@ def skill_report(records: dict[str, dict], categories: dict[str, str], baseline:
         }
         out["arms"][arm] = {"seeds": sorted(by_seed), "per_seed": by_seed, "change_from_base": change}
         out["arms"][arm]["change_by_part"] = parts  # "strict/<category>", "soft/per_image", …
+        out["arms"][arm]["before_fix"] = {c: sorted(v) for c, v in before.get(arm, {}).items()}
     for arm, by_seed in sorted(arms.items()):
         if arm == baseline or baseline not in arms:
             continue
@@ -159,6 +185,7 @@ def skill_report(records: dict[str, dict], categories: dict[str, str], baseline:
                     verdicts[f"{key}/{part}"] = arm_verdict(values)
                     needed[f"{key}/{part}"] = seeds_for_verdict(values)
         out["paired"][arm] = {"seeds": seeds, "diff": diffs, "verdict": verdicts, "seeds_for_verdict": needed}
+        out["paired"][arm]["before_fix"] = out["arms"][arm]["before_fix"]
     for arm, claim, rule in SKILL_CLAIMS:
         if arm in out["paired"]:
             p = out["paired"][arm]
