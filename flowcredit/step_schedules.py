@@ -251,14 +251,27 @@ def step_entropy(std: torch.Tensor) -> torch.Tensor:
     return _HALF_LOG_2PI_E + torch.log(std)
 
 
+def merge_entropy(sigma: torch.Tensor, sigma_next: torch.Tensor, level: float) -> torch.Tensor:
+    """The entropy E-GRPO merges by, of steps σ → σ' (one shape, ``(K,)`` → ``(K,)``): :func:`step_entropy`
+    of :func:`flow_sde_std`, and +∞ from σ = 1, the paper's reading (as issue 53 reports it):
+    ``g = a·√(σ/(1 − σ))`` diverges there, so the first step is a unit of its own at any threshold.
+    (Its sampled std stays ``a`` however far it is merged, σ̃ = σ': above ``½·log(2πe) + log a``,
+    1.0623 at a = 0.7, no merge from σ = 1 would reach the threshold.) Deviation: the authors' code
+    takes σ̃ = the input grid's σ_1 for a merged step from σ = 1, so merging raises its std
+    (docs/algorithms.md, "`egrpo`")."""
+    entropy = step_entropy(flow_sde_std(sigma, sigma_next, level))
+    return torch.where(sigma >= 1.0, torch.full_like(entropy, math.inf), entropy)
+
+
 def merge_units(
     sigmas: torch.Tensor, level: float, threshold: float, horizon: float
 ) -> list[tuple[int, int]]:
     """E-GRPO's merged SDE steps as ``(k, m)``: input steps ``k … k + m − 1`` become one step σ_k → σ_{k+m}.
 
-    From k = 0: m is the smallest count with ``H(k, m) = step_entropy(flow_sde_std(σ_k, σ_{k+m}, a))
-    ≥ threshold`` (a step already at the threshold stays alone, m = 1); the next unit starts at k + m.
-    Units stop at the first one that cannot reach the threshold or ends past ``⌊horizon·N⌋``.
+    From k = 0: m is the smallest count with ``H(k, m) = merge_entropy(σ_k, σ_{k+m}, a) ≥ threshold``
+    (a step already at the threshold stays alone, m = 1; a step from σ = 1 always does); the next unit
+    starts at k + m. Units stop at the first one that cannot reach the threshold or ends past
+    ``⌊horizon·N⌋``. ``sigmas (N + 1,)``, decreasing.
     """
     n = sigmas.numel() - 1
     s = sigmas.double()
@@ -266,7 +279,7 @@ def merge_units(
     units, k = [], 0
     while k < n:
         ends = torch.arange(k + 1, n + 1)
-        entropy = step_entropy(flow_sde_std(s[k].expand(len(ends)), s[ends], level))
+        entropy = merge_entropy(s[k].expand(len(ends)), s[ends], level)
         reach = torch.nonzero(entropy >= threshold, as_tuple=True)[0]
         if reach.numel() == 0 or int(ends[reach[0]]) > limit:
             break
@@ -294,8 +307,9 @@ def egrpo(sigmas, *, level, iteration, total, generator, threshold=1.0, horizon=
     trajectory; ``False``: all merged SDE steps in one trajectory (the abstract's wording).
     """
     units = merge_units(sigmas, level, threshold, horizon)
-    if not units:
-        _fail("step schedule", "egrpo", "threshold", f"{threshold} is reached by no step within the horizon")
+    if not any(float(sigmas[k]) < 1.0 for k, _ in units):  # from σ = 1: a unit at any threshold
+        none = "no step after the first (from σ = 1)" if units else "no step"
+        _fail("step schedule", "egrpo", "threshold", f"{threshold} is reached by {none} within the horizon")
     return merged_plan(sigmas, units, branch)
 
 

@@ -13,6 +13,7 @@ from flowcredit.step_schedules import (
     StepPlan,
     flow_sde_std,
     make_plan,
+    merge_entropy,
     merge_units,
     plan_levels,
     register_step_schedule,
@@ -217,6 +218,40 @@ def test_merge_units_hand_computed():
     assert merge_units(LINEAR5, 0.7, threshold=1.0, horizon=1.0) == [(0, 1), (1, 2)]
 
 
+QUARTERS = torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0])  # sigmas(4), no shift
+
+
+def test_a_step_from_sigma_one_merges_by_infinite_entropy():
+    # from σ = 1 the sampled std is a = 0.7 however far it is merged (σ̃ = σ'): H = 1.418939 + log 0.7
+    std = flow_sde_std(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.75, 0.5, 0.0]), 0.7)
+    torch.testing.assert_close(step_entropy(std), torch.full((3,), 1.062264))
+    # so merge_entropy reads it as infinite (the paper); off σ = 1 it is step_entropy:
+    # σ .75 → .25: g = 0.7·√3 = 1.212436, std = g·√0.5 = 0.857321, H = 1.418939 − 0.153943
+    h = merge_entropy(torch.tensor([1.0, 0.75]), torch.tensor([0.75, 0.25]), 0.7)
+    assert h[0].item() == math.inf
+    torch.testing.assert_close(h[1], torch.tensor(1.264996))
+
+
+def test_merge_units_below_and_above_the_entropy_from_sigma_one():
+    """Thresholds below and above ½·log(2πe) + log 0.7 = 1.0623 (issue 53): step 0 stands alone."""
+    # a = 0.7 on QUARTERS, H = 1.418939 + log(g·√(σ − σ')), g = 0.7·√(σ/(1 − σ)):
+    # H(1, m), m = 1, 2, 3: 0.918423, 1.264996, 1.467729 (std 0.606218, 0.857321, 1.05)
+    # H(2, m), m = 1, 2: 0.369116, 0.715690 (std 0.35, 0.494975); H(3, 1) = −0.180190
+    assert merge_units(QUARTERS, 0.7, threshold=0.9, horizon=1.0) == [(0, 1), (1, 1)]  # H(2, 2) < 0.9
+    assert merge_units(QUARTERS, 0.7, threshold=1.0, horizon=1.0) == [(0, 1), (1, 2)]
+    assert merge_units(QUARTERS, 0.7, threshold=1.2, horizon=1.0) == [(0, 1), (1, 2)]
+    assert merge_units(QUARTERS, 0.7, threshold=1.3, horizon=1.0) == [(0, 1), (1, 3)]
+    assert merge_units(QUARTERS, 0.7, threshold=1.3, horizon=0.75) == [(0, 1)]  # (1, 3) ends at 4 > 3
+    # 16 steps, shift 3: σ_k = 3(16 − k)/(48 − 2k); threshold 1.2, horizon ⌊0.5·16⌋ = 8:
+    # H(1, 1) = 1.094780 < 1.2 ≤ H(1, 2) = 1.464613 (g = 0.7·√45, σ 45/46 → 39/42);
+    # H(3, 3) = 1.169051 < 1.2 ≤ H(3, 4) = 1.341471 (g = 0.7·√13, σ 39/42 → 27/34); from 7 it
+    # takes σ' ≤ 0.4526, step 13 > 8
+    assert merge_units(sigmas(16, 3.0), 0.7, threshold=1.2, horizon=0.5) == [(0, 1), (1, 2), (3, 4)]
+    plan = _plan("egrpo", sigmas(16, 3.0), threshold=1.2)
+    assert plan.grid_index.tolist() == [0, 1, 3, *range(7, 17)]
+    assert torch.nonzero(plan.sde).flatten().tolist() == [0, 1, 2]
+
+
 def test_egrpo_plan_on_the_merged_grid():
     plan = _plan("egrpo", LINEAR5, level=1.0, threshold=1.0, horizon=1.0)
     assert plan.grid_index.tolist() == [0, 1, 2, 4, 5]
@@ -238,8 +273,10 @@ def test_egrpo_defaults_reproduce_the_authors_run():
 
 
 def test_egrpo_errors_name_the_option():
-    with pytest.raises(ValueError, match="'egrpo': option 'threshold' 5.0 is reached by no step"):
-        _plan("egrpo", LINEAR5, threshold=5.0)
+    with pytest.raises(ValueError, match=r"'threshold' 5.0 is reached by no step after the first \(from σ"):
+        _plan("egrpo", LINEAR5, threshold=5.0)  # step 0 is a unit at any threshold, no other step is
+    with pytest.raises(ValueError, match="'egrpo': option 'threshold' 1.0 is reached by no step within"):
+        _plan("egrpo", LINEAR5, threshold=1.0, horizon=0.1)  # ⌊0.1·5⌋ = 0: not even step 0
     with pytest.raises(ValueError, match="'egrpo': option 'horizon' must lie in \\(0, 1\\]"):
         _plan("egrpo", LINEAR5, horizon=0.0)
 
