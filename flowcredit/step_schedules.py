@@ -177,6 +177,11 @@ def mixgrpo(
     Defaults: the authors' FLUX script (progressive, w = 4, stride 1, τ = 25, roll back; decay
     τ_max 10, τ_min 1; exp-decay from s_0 = 13 at k = 0.1) and their bound ``max_timesteps = N − 2``
     (``skip_last=2``: the last two steps are never SDE).
+
+    Near the bound this follows the authors' code, not the paper's window of ``size`` steps: from start
+    ``end − size + 1`` on the window is cut at ``end`` and shrinks one step per position before it rolls
+    back (from iteration 500 at the FLUX script's settings; the preset ``mixgrpo`` trains one step at
+    iterations 175–199 of each 200-iteration sweep). docs/algorithms.md, "`mixgrpo`".
     """
     n = sigmas.numel() - 1
     end = n - skip_last

@@ -46,8 +46,12 @@ def normalized_log_ratio(logp_new, logp_old, mean_new, mean_old, std) -> torch.T
     Returns:
         ``(B,)`` float32.
 
-    Deviation: per-row ``s``; the authors' code (``scripts/train_sd3_GRPO_Guard.py``) takes the batch
-    mean of ``g`` and of ``√(−dt)``, the same number when every row is at one step, as in our loop.
+    Deviations from the authors' code (``scripts/train_sd3_GRPO_Guard.py``): per-row ``s``, where it takes
+    the batch mean of ``g`` and of ``√(−dt)``, the same number when every row is at one step, as in our
+    loop; and a per-row bias ``b = mean_d(μ_θ − μ_old)²/(2s²)``, where it adds the micro-batch mean of
+    ``b`` to every row. Per row, ``ℓ = mean_d(ε·(μ_θ − μ_old))`` holds row by row; the mean shifts each
+    row by ``s·(mean b − b)``: equal at θ = old (``b = 0``), a different loss otherwise (6.5 % on a
+    2-row probe; docs/algorithms.md, "`ratio_norm`").
     """
     if (
         mean_new.shape != mean_old.shape
@@ -203,6 +207,11 @@ def awm_times(sigmas, batch: int, generator=None, *, time_draws=6, time_fraction
     """AWM's times ``(K, B)``: K = ``time_draws`` grid values ``σ_j``, one per stratum of the step indices
     ``[j0, M)`` (``M = int(N·time_fraction)``, ``j0 = 0`` if ``time_from_first`` else 1), shared by the
     rows of a draw. The authors' ``time_type`` "discrete_wo_init" (GenEval, OCR) / "discrete" (PickScore).
+
+    Deviation: the loop calls this once per iteration for all ``B`` rows, so every micro-batch of draw
+    k trains at the same ``t_k``; the authors' code (``train_sd3_awm.py``) draws its K times afresh for
+    each micro-batch. Each row's times have the same distribution either way; an iteration here sees
+    K distinct times, the code's K per micro-batch (docs/algorithms.md, "`awm`").
     """
     n = sigmas.numel() - 1
     start, stop = (0 if time_from_first else 1), int(n * time_fraction)

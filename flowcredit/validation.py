@@ -119,13 +119,38 @@ def weight_options(cfg: Config) -> dict:
 
 def update_options(cfg: Config) -> dict:
     """The options of ``cfg.update`` (``clipped``'s clip range from ``clip_range``), resolved and checked
-    (errors name ``update_options``)."""
+    (errors name ``update_options``). A ``clip_range`` set away from its default for a rule that does
+    not read that field raises (:func:`_check_clip_range_field`)."""
     _check(cfg.update in UPDATES, "update", f"{cfg.update!r} is not one of {sorted(UPDATES)}")
     given = _json_options(cfg, "update_options")
     try:
-        return resolve_update_options(cfg.update, given, {"clip_range": cfg.clip_range})
+        options = resolve_update_options(cfg.update, given, {"clip_range": cfg.clip_range})
     except ValueError as exc:
         raise ConfigError("update_options", str(exc)) from None
+    _check_clip_range_field(cfg)
+    return options
+
+
+CLIP_RANGE_DEFAULT = Config.clip_range
+"""``clip_range``'s default: any other value is a setting the update rule must read."""
+
+
+def _check_clip_range_field(cfg: Config) -> None:
+    """Refuse a ``--clip_range`` other than its default when ``cfg.update`` does not read that field
+    (only ``clipped`` does): ``ratio_norm``'s range is its own option, on a ratio about ``s`` times
+    smaller, and ``awm`` / ``nft`` clip no ratio, so the value would be ignored without a word."""
+    rule = UPDATES[cfg.update]
+    if cfg.clip_range == CLIP_RANGE_DEFAULT or "clip_range" in rule.fields:
+        return
+    if "clip_range" in rule.options:
+        own = rule.options["clip_range"]
+        fix = (
+            f"update {cfg.update!r} does not read it: its clip range is its own option (default {own}), "
+            f"set with --update_options '{{\"clip_range\": {cfg.clip_range}}}'"
+        )
+    else:
+        fix = f"update {cfg.update!r} clips no ratio"
+    raise ConfigError("clip_range", f"{cfg.clip_range}, but {fix}; leave clip_range at {CLIP_RANGE_DEFAULT}")
 
 
 def _check_methods(cfg: Config) -> None:

@@ -142,3 +142,23 @@ def test_registration_checks_the_entry():
         with pytest.raises(ValueError, match=message):
             register_update(*args, **kwargs)
     assert "x" not in UPDATES
+
+
+@pytest.mark.parametrize(
+    ("preset", "said"),
+    [
+        ("grpo_guard", """option (default 2e-06), set with --update_options '{"clip_range": 0.0001}'"""),
+        ("awm", "update 'awm' clips no ratio"),
+        ("diffusion_nft", "update 'nft' clips no ratio"),
+    ],
+)
+def test_clip_range_for_a_rule_that_does_not_read_it_is_refused(preset, said):
+    """``--clip_range`` is ``clipped``'s: another rule would ignore it without a word (issue 53)."""
+    from flowcredit.errors import ConfigError
+    from flowcredit.presets import load_config
+
+    assert load_config(preset, None, ["--clip_range", "0.001"]).clip_range == 1e-3  # the default: fine
+    with pytest.raises(ConfigError, match=r"^config field 'clip_range': 0\.0001, but ") as err:
+        load_config(preset, None, ["--clip_range", "1e-4"])
+    assert said in str(err.value) and str(err.value).endswith("leave clip_range at 0.001")
+    assert load_config("flow_grpo", None, ["--clip_range", "1e-4"]).clip_range == 1e-4  # clipped reads it
