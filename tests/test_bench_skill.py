@@ -227,6 +227,7 @@ def test_a_published_run_carries_its_training_curve(tmp_path):
 
 
 def test_the_base_evaluation_runs_on_the_grids_device(tmp_path, monkeypatch):
+    import subprocess
     from pathlib import Path
 
     from flowcredit.commands import bench_skill
@@ -240,7 +241,7 @@ def test_the_base_evaluation_runs_on_the_grids_device(tmp_path, monkeypatch):
         (out / "eval.json").write_text("{}")
         return 0
 
-    monkeypatch.setattr(bench_skill.subprocess, "call", fake_call)
+    monkeypatch.setattr(subprocess, "call", fake_call)
     cfg = load_config("skill", None, ["--device", "cuda:0"])
     assert bench_skill.base_eval(cfg, tmp_path / "base", threads=1) == tmp_path / "base" / "eval.json"
     argv = calls[0]

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from flowcredit.commands.bench_read import json_safe, read_run
 from flowcredit.commands.bench_report import write_plots, write_table
-from flowcredit.commands.bench_skill import SKILL_ARMS, after_run, published, relative_paths
+from flowcredit.commands.bench_skill import SKILL_ARMS, after_run, published, relative_paths, score_published
 from flowcredit.commands.bench_stats import report
 from flowcredit.config import Config, trained_window
 from flowcredit.errors import UserError
@@ -141,6 +141,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each its own process (GPU: several)")
     p.add_argument("--report_only", action="store_true", help="only read the finished runs under --out")
     p.add_argument("--publish", default=None, help="copy each finished run's small JSON here (e.g. into git)")
+    p.add_argument(
+        "--score_confirm",
+        action="store_true",
+        help="--task skill: score the runs published in --publish with their weights on the confirmation "
+        "set (and the base), training nothing",
+    )
     return p
 
 
@@ -308,6 +314,19 @@ def _warm_imports() -> None:
             pass
 
 
+def score_confirm(args, cells: list[dict], out: Path) -> int:
+    """``--score_confirm``: the published runs' confirmation evaluations from their weights
+    (:func:`flowcredit.commands.bench_skill_eval.score_published`), on the first cell's device."""
+    if args.task != "skill" or not args.publish:
+        raise UserError(
+            "bench: --score_confirm scores the skill bench's published runs: give --task skill --publish DIR"
+        )
+    cfg = load_config(cells[0]["preset"], None, cells[0]["overrides"])
+    done = score_published(Path(args.publish), out / "scored", cfg)
+    print(f"bench: {len(done)} published record(s) scored on the confirmation set: {[p.stem for p in done]}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(argv)
     if len(rest) % 2:
@@ -317,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     cells = plan_cells(args, rest)
+    if args.score_confirm:
+        return score_confirm(args, cells, out)
     if not args.report_only or (out / "psi" / "psi.json").is_file():  # report: name the ψ that was used
         cells = shared_psi(cells, out)
     jobs = [(c, seed) for seed in seeds for c in cells]  # seed-major: early seeds of every cell first

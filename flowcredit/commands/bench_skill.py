@@ -4,9 +4,10 @@ accounting and its final held-out evaluation.
 Every arm is the ``skill`` preset with one change (:data:`SKILL_ARMS`); seeds pair the arms (same
 prompt draws and initial noise per seed). After a run finishes, its exported weights (``final/``, the
 EMA) are evaluated on all 86 held-out prompts × 16 samples × the noise seeds :data:`FINAL_EVAL_SEEDS`,
-which no choice of this library ever looked at (the recipes were chosen on 100–103 and 1234), and
-the base checkpoint once the same way; the small JSON of each (``summary.json`` + the evaluation's
-per-sample scores) is copied to ``--publish`` so that finished runs land in git as they finish.
+which no choice of this library ever looked at (the recipes were chosen on 100–103 and 1234), and on
+the confirmation set (:mod:`flowcredit.commands.bench_skill_eval`), the base checkpoint once the same
+way; the small JSON of each (``summary.json`` + the evaluations' per-sample scores) is copied to
+``--publish`` so that finished runs land in git as they finish.
 The report on the published runs (held-out scores, paired differences, verdicts) is
 :mod:`flowcredit.commands.bench_skill_report`, re-exported here.
 """
@@ -16,10 +17,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
+from flowcredit.commands.bench_skill_eval import (  # noqa: F401 (the evaluations, re-exported)
+    CONFIRM_DIR,
+    FINAL_EVAL_SAMPLES,
+    FINAL_EVAL_SEEDS,
+    base_eval,
+    base_published,
+    final_eval,
+    relative_paths,
+    score_published,
+)
 from flowcredit.commands.bench_skill_report import (  # noqa: F401 (the report, re-exported)
     EQUIVALENCE,
     SKILL_CLAIMS,
@@ -33,11 +42,6 @@ from flowcredit.config import Config
 from flowcredit.errors import UserError
 from flowcredit.presets import load_config
 from flowcredit.run.runlog import PROVENANCE, read_iteration_seconds, read_metrics
-
-FINAL_EVAL_SEEDS = (7001, 7002)
-"""Noise seeds of the final held-out evaluation, used for nothing else."""
-FINAL_EVAL_SAMPLES = 16
-"""Samples per held-out prompt (× 86 prompts × 2 seeds = 2,752 images per run)."""
 
 
 def nominal_nfe(cfg: Config) -> float:
@@ -184,39 +188,6 @@ AWM's Flow-SDE a = 0.57 on steps 0–6; one optimizer step per iteration) at a q
 network calls (``nft_quarter``, ``awm_quarter``), evaluated with the preset's CFG (w = 2) as every arm."""
 
 
-QUICK_EVAL = ["--max-prompts", "4", "--samples-per-prompt", "2"]
-"""``bench --quick``: 4 prompts × 2 samples instead."""
-
-
-def final_eval(run_dir: Path, threads: int, quick: bool = False) -> Path:
-    """Evaluate ``run_dir``'s exported weights once (``run_dir/heldout/eval.json``); returns the file."""
-    return _evaluate(["--config", str(run_dir / "config.json")], run_dir / "heldout", threads, quick)
-
-
-def base_eval(cfg: Config, out: Path, threads: int, quick: bool = False) -> Path:
-    """The base checkpoint of ``cfg`` evaluated as :func:`final_eval` (``out/eval.json``)."""
-    which = ["--model", cfg.model, "--checkpoint", cfg.checkpoint, "--device", cfg.device]
-    return _evaluate(which, out, threads, quick)
-
-
-def _evaluate(which: list[str], out: Path, threads: int, quick: bool) -> Path:
-    path = out / "eval.json"
-    if path.is_file():
-        return path
-    shutil.rmtree(out, ignore_errors=True)
-    seeds = ",".join(map(str, FINAL_EVAL_SEEDS))
-    argv = [*which, "--reward", "shapes", "--prompts", "test", "--seeds", seeds]
-    argv += ["--samples-per-prompt", str(FINAL_EVAL_SAMPLES), "--threads", str(threads), "--out", str(out)]
-    argv += QUICK_EVAL if quick else []
-    log = out.parent / f"{out.name}.eval.log"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as fh:
-        code = subprocess.call([sys.executable, "-m", "flowcredit", "eval", *argv], stdout=fh, stderr=fh)
-    if code or not path.is_file():
-        raise SystemExit(f"bench: the held-out evaluation of {out} failed (exit {code}); see {log}")
-    return path
-
-
 def training_curve(rows: list[dict]) -> dict[str, list[float]]:
     """The training reward per iteration and the network calls spent up to it, from ``metrics.jsonl``'s
     rows: ``{"iteration": [...], "reward": [...], "nfe": [...]}`` (``nfe``: cumulative rollout +
@@ -237,28 +208,14 @@ def training_minutes(run_dir: Path) -> float:
     return sum(read_iteration_seconds(run_dir).values()) / 60
 
 
-def relative_paths(value, root: Path):
-    """``value`` (JSON) with every string that names a path under ``root`` made relative to it (a
-    published run is read on other machines: ``/x/runs/skill-seed11/final`` → ``skill-seed11/final``)."""
-    if isinstance(value, dict):
-        return {k: relative_paths(v, root) for k, v in value.items()}
-    if isinstance(value, list):
-        return [relative_paths(v, root) for v in value]
-    if isinstance(value, str) and Path(value).is_absolute():
-        path = Path(value)
-        if path.is_relative_to(root.resolve()) or path.is_relative_to(root.absolute()):
-            base = root.resolve() if path.is_relative_to(root.resolve()) else root.absolute()
-            return path.relative_to(base).as_posix()
-    return value
-
-
 def publish(run_dir: Path, dest: Path) -> Path:
-    """Copy the run's small results (config, summary, held-out per-sample scores, training curve) to
-    ``dest/<run>.json``."""
+    """Copy the run's small results (config, summary, held-out and confirmation per-sample scores,
+    training curve) to ``dest/<run>.json``."""
     record = {"run": run_dir.name}
     files = {"config": "config.json", "summary": "summary.json", "heldout": "heldout/eval.json"}
     if not (run_dir / "config.json").is_file():  # the base checkpoint's evaluation directory
         files = {"heldout": "eval.json"}
+    files["confirm"] = f"{CONFIRM_DIR}/eval.json"
     for name, path in files.items():
         if (run_dir / path).is_file():
             record[name] = json.loads((run_dir / path).read_text())
@@ -341,32 +298,18 @@ def _same_psi(record: dict, cell: dict, path: Path) -> None:
         )
 
 
-def base_published(dest: Path | None, quick: bool) -> bool:
-    """``dest/base-heldout.json`` holds the base checkpoint's whole final evaluation (not ``--quick``'s)."""
-    path = dest / "base-heldout.json" if dest else None
-    if quick or path is None or not path.is_file():
-        return False
-    from flowcredit.tasks.prompt_sets import read_prompts
-
-    heldout = json.loads(path.read_text()).get("heldout", {})
-    samples = len(read_prompts("test")) * FINAL_EVAL_SAMPLES
-    whole = (
-        heldout.get("seeds") == list(FINAL_EVAL_SEEDS) and len(heldout.get("sample_prompts", ())) == samples
-    )
-    if whole:
-        print(f"bench: base-heldout: published earlier in {dest}, not recomputed", flush=True)
-    return whole
-
-
 def after_run(args, cells: list[dict], out: Path):
-    """What follows each finished run: the ``skill`` task's held-out evaluation (of the base checkpoint
-    first, once), then ``--publish``. Returns ``run_dir -> run_dir``."""
+    """What follows each finished run: the ``skill`` task's evaluations on both sets (of the base
+    checkpoint first, once; a base published without the confirmation set gets it), then
+    ``--publish``. Returns ``run_dir -> run_dir``."""
     publish_to = Path(args.publish) if args.publish else None
-    if args.task == "skill" and not args.report_only and not base_published(publish_to, args.quick):
-        cfg = load_config(cells[0]["preset"], None, cells[0]["overrides"])
+    cfg = load_config(cells[0]["preset"], None, cells[0]["overrides"]) if args.task == "skill" else None
+    if cfg and not args.report_only and not base_published(publish_to, args.quick):
         base = base_eval(cfg, out / "base-heldout", cfg.threads, args.quick).parent
         if publish_to:
             publish(base, publish_to)
+    elif cfg and not args.report_only and publish_to:
+        score_published(publish_to, out / "scored", cfg, only=("base-heldout",))
 
     def after(run_dir: Path) -> Path:
         if args.task == "skill":

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from flowcredit.errors import PathError, UserError, reading
 
-SPLITS = ("train", "test")
+SPLITS = ("train", "test", "confirm")
+"""The ShapeEval sets a spec may name: the two splits and the confirmation set (issue 56)."""
 
 
 def read_prompts(spec: str, shapes_metadata: bool = False, what: str = "prompt set") -> list[dict]:

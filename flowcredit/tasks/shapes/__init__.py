@@ -22,6 +22,7 @@ _EXPORTS = {
         "VOCAB",
         "all_prompts",
         "caption",
+        "confirmation_prompts",
         "load_prompts",
         "make_meta",
         "random_batch",

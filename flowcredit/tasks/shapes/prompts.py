@@ -9,7 +9,8 @@ A prompt is a JSON-serialisable dict::
 
 ``relation`` is present for ``position`` only. The caption is a pure function of the rest
 (:func:`caption`), so metadata can be checked against its prompt string. Run
-``python -m flowcredit.tasks.shapes.prompts`` to regenerate the shipped ``shapes_{train,test}.jsonl``.
+``python -m flowcredit.tasks.shapes.prompts`` to regenerate the shipped ``shapes_{train,test}.jsonl``
+and the confirmation set ``shapes_confirm.jsonl`` (:func:`confirmation_prompts`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ RELATION_WORDS = {
 }
 CATEGORIES = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
 SPLITS = ("train", "test")
+"""The partition of :func:`all_prompts`."""
+SETS = (*SPLITS, "confirm")
+"""The shipped prompt sets (:func:`load_prompts`): the two splits and the confirmation set."""
 
 HOLDOUT = {"single_object": 3, "colors": 3, "counting": 12, "two_object": 8, "color_attr": 6, "position": 5}
 """Per category, how many combination keys (see :func:`combination_key`) are held out for ``test``."""
@@ -125,7 +129,10 @@ def held_out_keys(category: str) -> set[str]:
 
 
 def split_of(meta: dict) -> str:
-    """``"test"`` iff the prompt's combination key is held out for its category, else ``"train"``."""
+    """``"confirm"`` for a pair of the confirmation set's grammar (:func:`extends_grammar`), else
+    ``"test"`` iff the prompt's combination key is held out for its category, else ``"train"``."""
+    if extends_grammar(meta):
+        return "confirm"
     return "test" if combination_key(meta) in held_out_keys(meta["category"]) else "train"
 
 
@@ -135,6 +142,44 @@ def make_splits() -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {s: [] for s in SPLITS}
     for m in all_prompts():
         out["test" if combination_key(m) in held[m["category"]] else "train"].append(m)
+    return out
+
+
+CONFIRM_CATEGORIES = ("two_object", "color_attr", "position")
+"""The categories with prompts outside :func:`all_prompts` (the other three are used up by it)."""
+
+
+def extends_grammar(meta: dict) -> bool:
+    """A pair of the confirmation set's grammar, which :func:`all_prompts` leaves out: the same shape in
+    two colours (``two_object``, ``position``) or the same colour on two shapes (``color_attr``,
+    ``position``). ``color_attr`` with the same shape twice is in neither grammar: the reward's
+    shape-level credit wants each named shape once in any colour, so a scene that is exactly such a
+    prompt scores 0 strict (``tests/test_shapes_confirm.py``)."""
+    category = meta["category"]
+    if category not in CONFIRM_CATEGORIES:
+        return False
+    (a, b) = meta["objects"]
+    same_shape, same_color = a["shape"] == b["shape"], a["color"] == b["color"]
+    if category == "two_object":
+        return same_shape and not same_color
+    if category == "color_attr":
+        return same_color and not same_shape
+    return same_shape != same_color  # one of the two; both would be one object twice
+
+
+def confirmation_prompts() -> list[dict]:
+    """The confirmation set (issue 56): a second held-out set that overlaps neither split, since the
+    splits use up :func:`all_prompts`. ShapeEval's grammar extended within its vocabulary and categories
+    (:func:`extends_grammar`), in a fixed order: ``two_object`` with the same shape in two colours (36),
+    ``color_attr`` with the same colour on two shapes (24) and ``position`` with either, × its four
+    relations (144 + 96): 300 prompts."""
+    pairs = [(c, s) for s in SHAPE_NAMES for c in COLORS]
+    out = []
+    for category in CONFIRM_CATEGORIES:
+        for (c0, s0), (c1, s1) in itertools.permutations(pairs, 2):
+            relations = RELATIONS if category == "position" else [None]
+            metas = [make_meta(category, [(c0, s0, 1), (c1, s1, 1)], r) for r in relations]
+            out += [m for m in metas if extends_grammar(m)]
     return out
 
 
@@ -200,9 +245,10 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def load_prompts(split: str) -> list[dict]:
-    """The shipped prompts of ``split`` ("train" or "test"), read from ``flowcredit/tasks/data``."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown ShapeEval split {split!r}; choices: {SPLITS}")
+    """The shipped prompts of ``split`` ("train", "test" or "confirm": :data:`SETS`), read from
+    ``flowcredit/tasks/data``."""
+    if split not in SETS:
+        raise ValueError(f"unknown ShapeEval split {split!r}; choices: {SETS}")
     ref = resources.files("flowcredit.tasks").joinpath("data").joinpath(f"shapes_{split}.jsonl")
     return [json.loads(line) for line in ref.read_text(encoding="utf-8").splitlines() if line.strip()]
 
@@ -235,12 +281,13 @@ _BY_CATEGORY = {cat: _enumerate(cat) for cat in CATEGORIES}
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Regenerates ``shapes_train.jsonl`` and ``shapes_test.jsonl`` (default: the package data dir)."""
+    """Regenerates ``shapes_train.jsonl``, ``shapes_test.jsonl`` and ``shapes_confirm.jsonl`` (default:
+    the package data dir)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "data")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    for split, metas in make_splits().items():
+    for split, metas in (make_splits() | {"confirm": confirmation_prompts()}).items():
         write_jsonl(args.out / f"shapes_{split}.jsonl", metas)
         print(f"{split}: {len(metas)} prompts -> {args.out / f'shapes_{split}.jsonl'}")
 
