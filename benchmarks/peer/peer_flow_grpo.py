@@ -23,6 +23,11 @@ with Flow-GRPO's ``cfg_uncond_grad: false`` (its ``compute_log_prob`` detaches t
 branch); the gradient with the library's default (``true``: through both branches) is printed beside
 it, to show what the field changes. ``--max_sequence_length`` sets the T5 length of both sides (0: the
 adapter's default, 16 tokens on the tiny tokenizers; Flow-GRPO encodes 128).
+
+The two equality checks fail the run (exit status 1, after the report is printed and written) past
+:data:`TOLERANCES`: in float32, 1e-5 for the log-probabilities and 1e-4 for the relative difference of
+the gradients with ``cfg_uncond_grad`` false (measured: at most 2.4e-7 and 3.0e-6). A small run is a
+test (``tests/test_peer_benchmark.py``: 2 samples × 3 steps, one timed iteration, a few seconds).
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ sys.path.insert(0, str(REPO / "benchmarks" / "memory"))  # sd35_configs: SD3.5-M
 from sd35_configs import SD3_VAE, SD35_MEDIUM  # noqa: E402
 
 PROMPTS = ["a red square", "a photo of a cat", "a big blue circle on the sign", "a green triangle"]
+
+TOLERANCES = {"float32": (1e-5, 1e-4)}
+"""dtype → (max |Δ log p| of one trajectory re-scored by the other code, ‖g − g_peer‖ / ‖g_peer‖ of the
+LoRA gradient with ``cfg_uncond_grad`` false): float32 round-off, measured at most 2.4e-7 and 3.0e-6
+(tiny SD3 and SD3.5-M shapes; docs/benchmarks.md), so 40× and 30× margins. Any other dtype: the
+log-probabilities within ``LOW_PRECISION_LOGP`` and the gradient not checked: the codes round
+differently (5–7e-4 in bfloat16) and so clip different rows."""
+LOW_PRECISION_LOGP = 1e-2
 
 
 def build_pipeline(size: str, directory: Path) -> Path:
@@ -369,17 +382,35 @@ def summarise(args, med: dict, checks, grads: dict) -> dict:
     return report
 
 
+def failures(report: dict, dtype: str) -> list[str]:
+    """The equality checks of ``report`` past :data:`TOLERANCES` for ``dtype``, one line each."""
+    logp_tol, grad_tol = TOLERANCES.get(dtype, (LOW_PRECISION_LOGP, None))
+    out = [
+        f"log-probabilities {side}: max |Δ| {diff:.2e} > {logp_tol:.0e}"
+        for side, diff in report["logp_max_abs_diff"].items()
+        if not diff <= logp_tol  # NaN fails too
+    ]
+    rel = report["lora_grad_vs_peer"]["cfg_uncond_grad_false"]["rel_diff"]
+    if grad_tol is not None and not rel <= grad_tol:
+        out.append(f"LoRA gradient, cfg_uncond_grad false: ‖Δg‖/‖g‖ {rel:.2e} > {grad_tol:.0e}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run, print and (``--out``) write the report; exit status 1 if an equality check fails."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     peer = load_peer(Path(args.peer).resolve())
     with tempfile.TemporaryDirectory() as tmp:
         med, checks, grads = measure(peer, our_session(args, Path(tmp)), args)
     report = summarise(args, med, checks, grads)
+    report["failures"] = failures(report, args.dtype)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    return 0
+    for line in report["failures"]:
+        print(f"FAIL: {line}", file=sys.stderr)
+    return 1 if report["failures"] else 0
 
 
 if __name__ == "__main__":
