@@ -4,7 +4,8 @@ samples × noise seeds 7001/7002) of the base checkpoint and of every finished r
 from the base, paired differences to the Flow-GRPO arm (``skill``) with 95 % t-intervals over the
 seeds both ran, and a verdict per paper claim (flowcredit/commands/bench_skill_report.py);
 ``DIR/../compare.png`` shows the same per category, every seed a dot, and ``DIR/../curves.png`` the
-training reward per arm against iterations and against network calls spent.
+training reward per arm against iterations and against network calls spent. Runs scored on the
+confirmation set too (records' ``"confirm"``, the base's included) get a section of their own.
 
     .venv/bin/python benchmarks/skill_grid_report.py benchmarks/results/skill_compare
 """
@@ -16,7 +17,7 @@ import json
 from pathlib import Path
 
 from flowcredit.commands.bench_skill import run_cost, skill_report
-from flowcredit.commands.bench_skill_report import FIXES
+from flowcredit.commands.bench_skill_report import ARM_NAMES, FIXES, VERDICT_METRICS
 from flowcredit.commands.bench_stats import ci95
 from flowcredit.tasks.shapes import CATEGORIES, load_prompts
 
@@ -147,25 +148,68 @@ def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
         row += [_cell(d["soft/overall"])]
         lines.append("| " + " | ".join([*row, _cell(d["strict/per_image"]), *cats]) + " |")
     lines += ["", "## Verdicts against Flow-GRPO (rule and margin fixed 2026-12-04, docs/benchmarks.md)", ""]
-    lines += [
-        "| arm | n | held-out strict (primary) | strict per image | seeds to end the primary verdict* |",
-        "|---|---|---|---|---|",
-    ]
+    lines += verdict_lines(rep)
+    lines += ["", "## Cost per run (mean over seeds)", "", *cost_table(rep.get("cost", {}), gpu, times, rep)]
+    lines += ["", "## Claims", "", *claim_lines(rep)]
+    if "confirm" in rep:
+        lines += ["", *confirm_lines(rep["confirm"])]
+    return "\n".join(lines) + "\n"
+
+
+def verdict_lines(rep: dict) -> list[str]:
+    """The verdict table: per arm what it is (``ARM_NAMES``), its n, each verdict with what its label
+    must say (``label``: unreliable spread, a rule written after its seeds), and the planning figure."""
+    head = ["arm", "method", "n", "held-out strict (primary)", "strict per image"]
+    lines = ["| " + " | ".join([*head, "seeds to end the primary verdict* |"]), "|---|---|---|---|---|---|"]
     for arm, p in rep["paired"].items():
-        v, needed = p["verdict"], p.get("seeds_for_verdict", {}).get("strict/overall")
+        v, needed = p.get("label", p["verdict"]), p.get("seeds_for_verdict", {}).get("strict/overall")
         ended = "over 40" if needed is None else ("ended" if needed == len(p["seeds"]) else str(needed))
-        row = [_label(arm, rep), str(len(p["seeds"])), v["strict/overall"], v["strict/per_image"], ended]
-        lines.append("| " + " | ".join(row) + " |")
-    lines += [
+        row = [_label(arm, rep), ARM_NAMES.get(arm, arm), str(len(p["seeds"]))]
+        lines.append("| " + " | ".join([*row, v["strict/overall"], v["strict/per_image"], ended]) + " |")
+    noise, pooled = (
+        [rep.get(k, {}).get(m, float("nan")) for m in VERDICT_METRICS]
+        for k in ("evaluation_noise", "pooled_sd")
+    )
+    return lines + [
         "",
         "\\* if more seeds kept today's mean and spread of the paired differences (a planning figure,",
         "not a result: the next seeds move both).",
+        "Evaluation noise alone, per paired seed (from the noise seeds' disagreement): strict "
+        f"{noise[0]:.4f}, per image {noise[1]:.4f}; pooled SD of the paired differences: {pooled[0]:.3f} and "
+        f"{pooled[1]:.3f}.",
+        "The 95 % intervals make no adjustment for the looks that gave arms more seeds (docs/benchmarks.md,",
+        '"Sequential looks").',
     ]
-    lines += ["", "## Cost per run (mean over seeds)", "", *cost_table(rep.get("cost", {}), gpu, times, rep)]
-    lines += ["", "## Claims", "", "| claim | arm | n | verdict |", "|---|---|---|---|"]
+
+
+def claim_lines(rep: dict) -> list[str]:
+    """The claims table: each paper claim, its arm, n, the primary difference with its 95 % interval
+    (the non-inferiority rule reads its lower bound against −0.02) and the verdict."""
+    lines = ["| claim | arm | n | held-out strict, 95 % | verdict |", "|---|---|---|---|---|"]
     for c in rep["claims"]:
-        lines.append(f"| {c['claim']} | {_label(c['arm'], rep)} | {c['n']} | {c['verdict']} |")
-    return "\n".join(lines) + "\n"
+        interval = _cell(rep["paired"][c["arm"]]["diff"]["strict/overall"])
+        lines.append(f"| {c['claim']} | {_label(c['arm'], rep)} | {c['n']} | {interval} | {c['verdict']} |")
+    return lines
+
+
+def confirm_lines(rep: dict) -> list[str]:
+    """The confirmation set's section (``rep``: :func:`skill_report` of the records' ``"confirm"``)."""
+    base = rep["base"]["strict"]
+    cats = [c for c in base if c not in ("overall", "per_image")]  # two_object, color_attr, position
+    lines = [
+        "## The confirmation set (300 prompts × 4 samples × noise seeds 7001, 7002; docs/benchmarks.md)",
+        "",
+        f"Base checkpoint: strict {base['overall']:.3f} (per image {base['per_image']:.3f}). Only runs",
+        "scored on it count (published with their weights), paired with Flow-GRPO at the same seed.",
+        "",
+        "| " + " | ".join(["arm", "seeds", "strict", "strict per image", *cats]) + " |",
+        "|" + "---|" * (4 + len(cats)),
+    ]
+    for arm, p in rep["paired"].items():
+        d = p["diff"]
+        row = [arm, ",".join(map(str, p["seeds"])), _cell(d["strict/overall"]), _cell(d["strict/per_image"])]
+        lines.append("| " + " | ".join([*row, *(_cell(d[f"strict/{c}"]) for c in cats)]) + " |")
+    return [*lines, "", *verdict_lines(rep), "", *claim_lines(rep)]
 
 
 PARTS = ("overall", "per_image", *CATEGORIES)
@@ -344,6 +388,9 @@ def main() -> None:
     categories = {m["prompt"]: m["category"] for m in load_prompts("test")}
     rep = skill_report(records, categories)
     rep["cost"] = arm_costs(records)
+    if "confirm" in records.get("base-heldout", {}) and any("confirm" in r for r in records.values()):
+        confirm = {m["prompt"]: m["category"] for m in load_prompts("confirm")}
+        rep["confirm"] = skill_report(records, confirm, evaluation="confirm")
     (out / "results.json").write_text(json.dumps(rep, indent=1) + "\n")
     gpu = any(str(r.get("config", {}).get("device", "")).startswith("cuda") for r in records.values())
     timed = out / "iteration_times.json"  # benchmarks/skill_rate.py --arms ... --out, on a quiet machine

@@ -46,6 +46,8 @@ def test_published_lists_the_result_files():
 
 
 README = RESULTS.parents[1] / "README.md"
+NOTE_WORDS = {"unreliable": "unreliable", "rule_after_seeds": "had landed"}
+"""Per note of ``verdict_notes``, the words a README cell must carry when, and only when, it has it."""
 CELL = re.compile(r"^\**(\w+)\**(?: \(([+−-]\d\.\d{3}) ± (\d\.\d{3})[;)])?")
 
 
@@ -87,6 +89,11 @@ def test_the_readme_credit_rule_table_reads_the_published_results(folder, arm, c
     )
     _check_cell(cells[1], result["verdict"]["strict/overall"], result["diff"]["strict/overall"])
     _check_cell(cells[2], result["verdict"]["strict/per_image"], result["diff"]["strict/per_image"])
+    # what the report says beside a verdict (verdict_notes) the row says too, and only then
+    for metric, cell in (("strict/overall", cells[1]), ("strict/per_image", cells[2])):
+        notes = result["notes"][metric]
+        for tag, words in NOTE_WORDS.items():
+            assert (tag in notes) == (words in cell), (arm, metric, cell, notes)
     # runs from before a fix of their update rule (FIXES) are marked as the table marks them
     assert ("run before the fix" in cells[0]) == bool(result.get("before_fix")), (cells[0], result)
 
@@ -111,3 +118,4 @@ def test_results_json_is_the_report_of_the_published_runs(folder):
         assert result["verdict"] == stored[arm]["verdict"], arm
         assert result["diff"]["strict/overall"] == pytest.approx(stored[arm]["diff"]["strict/overall"]), arm
         assert result["before_fix"] == stored[arm].get("before_fix", {}), arm
+        assert result["label"] == stored[arm]["label"], arm  # the words beside each verdict

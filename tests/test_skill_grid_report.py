@@ -115,3 +115,45 @@ def test_runs_before_a_fix_of_their_update_rule_are_marked():
     assert len(marked) == 3  # the arms, their paired differences, the verdicts
     assert "with 1/4 of its network calls | skill-nft_quarter † | 2 |" in text  # the claim
     assert "| skill † |" not in text and "| skill |" in text
+
+
+def test_the_confirmation_set_gets_a_section_of_its_own(tmp_path, monkeypatch):
+    """Runs scored on the confirmation set (``"confirm"``, the base's too) are reported apart, paired
+    only where Flow-GRPO has a confirmation score at the same seed; without the base's, no section."""
+    import json
+    import sys
+
+    report = _grid_report()
+    records = {
+        name: _record(v) for name, v in (("base-heldout", 0.2), ("skill-seed10", 0.3), ("skill-seed11", 0.4))
+    }
+    for seed, v in ((10, 0.36), (11, 0.42), (12, 0.5)):
+        records[f"skill-tp-seed{seed}"] = _record(v)
+    records["skill-seed10"]["curve"] = {"iteration": [1, 2], "reward": [0.2, 0.4], "nfe": [960, 1920]}
+    for name, v in (
+        ("base-heldout", 0.1),
+        ("skill-seed11", 0.2),
+        ("skill-tp-seed11", 0.15),
+        ("skill-tp-seed12", 0.3),
+    ):
+        records[name]["confirm"] = _record(v)["heldout"]
+    (tmp_path / "runs").mkdir()
+    for name, rec in records.items():
+        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(rec))
+    monkeypatch.setattr(
+        report, "load_prompts", lambda split: [{"prompt": p, "category": c} for p, c in CATS.items()]
+    )
+    monkeypatch.setattr(report, "CATEGORIES", ("colors", "counting"))
+    monkeypatch.setattr(report, "PARTS", ("overall", "per_image", "colors", "counting"))
+    monkeypatch.setattr(sys, "argv", ["skill_grid_report.py", str(tmp_path)])
+    report.main()
+    rep = json.loads((tmp_path / "results.json").read_text())
+    assert rep["paired"]["skill-tp"]["seeds"] == [10, 11]  # held-out: unchanged by the confirmation set
+    assert rep["confirm"]["paired"]["skill-tp"]["seeds"] == [11]  # seed 12 has no Flow-GRPO pair
+    assert rep["confirm"]["paired"]["skill-tp"]["diff"]["strict/overall"][0] == pytest.approx(-0.05)
+    text = (tmp_path / "table.md").read_text().split("## The confirmation set")[1]
+    assert "Base checkpoint: strict 0.100" in text and "| skill-tp | 11 | -0.050 (one seed)" in text
+    records["base-heldout"].pop("confirm")
+    (tmp_path / "runs" / "base-heldout.json").write_text(json.dumps(records["base-heldout"]))
+    report.main()
+    assert "confirm" not in json.loads((tmp_path / "results.json").read_text())

@@ -168,12 +168,14 @@ SKILL_ARMS = {
     "awm_quarter": lambda cfg: _equal_nfe(cfg, AWM, 0.25),
 }
 """The arms beside the preset (Flow-GRPO credit, CPS): TP-GRPO credit at the same iterations and at
-the preset's NFE; DenseGRPO as its paper prescribes (Dance-SDE with ψ calibrated per run on the
-frozen base, then dense gains) with one-step values from the rollout's own velocities
-(``dense_euler1``) and with ODE-completed values (``dense``); Stepwise-Flow-GRPO with its own DDIM-like
-SDE (a = 0.7; its first step, from σ = 1, has std 0, so its window is steps 1–4), euler(5) values and
-the joint normalisation that keeps the gains' signs (``stepwise``), and the same credit on the
-preset's CPS (``stepwise_cps``: isolates the credit rule). ``dense_euler1`` changes two things, so two
+the preset's NFE; DenseGRPO (Dance-SDE with ψ calibrated on the frozen base, then dense gains; the
+bench calibrates ψ once and hands that one ψ to every seed and every arm that calibrates alike:
+bench.shared_psi) with ODE-completed values (``dense``) and, a variant, with one-step values from
+the rollout's own velocities (``dense_euler1``: "DenseGRPO with one-step values and one shared ψ",
+not DenseGRPO as published); Stepwise-Flow-GRPO with its own DDIM-like SDE (a = 0.7; its first
+step, from σ = 1, has std 0, so its window is steps 1–4), euler(5) values and the joint normalisation
+that keeps the gains' signs (``stepwise``), and the same credit on the preset's CPS
+(``stepwise_cps``: isolates the credit rule). ``dense_euler1`` changes two things, so two
 diagnostic arms split it: its credit rule on the preset's CPS (``dense_euler1_cps``) and its sampler
 (Dance-SDE with ψ calibrated, the same ψ) under Flow-GRPO's credit (``dance_psi``).
 Every other field is the preset's (SDE window: steps 0–4).
