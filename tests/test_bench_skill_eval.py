@@ -96,7 +96,7 @@ def test_published_runs_with_weights_are_scored_on_the_confirmation_set(tmp_path
     assert E.score_published(dest, tmp_path / "scored", cfg) == [] and len(evals) == 3
 
 
-def test_a_base_published_without_the_confirmation_set_gets_it_and_nothing_else(tmp_path, evals):
+def test_a_bench_start_scores_what_was_published_without_the_confirmation_set(tmp_path, evals):
     dest = tmp_path / "runs"
     dest.mkdir()
     heldout = {"seeds": [7001, 7002], "sample_prompts": ["p"] * (86 * 16)}
@@ -105,10 +105,12 @@ def test_a_base_published_without_the_confirmation_set_gets_it_and_nothing_else(
     args = argparse.Namespace(presets="skill", task="skill", minutes=0, iterations=None, quick=False)
     args = argparse.Namespace(**vars(args), ablations="", report_only=False, publish=str(dest))
     after_run(args, plan_cells(args, []), tmp_path / "out")
-    assert [_flags(a)["--prompts"] for a in evals] == ["confirm"]  # the held-out base is not recomputed
+    assert [_flags(a)["--prompts"] for a in evals] == ["confirm"] * 2  # the held-out base is not recomputed
     record = json.loads((dest / "base-heldout.json").read_text())
     assert record["heldout"] == heldout and E.whole(record["confirm"], "confirm")
-    assert "confirm" not in json.loads((dest / "skill-seed14.json").read_text())  # --score_confirm does it
+    assert E.whole(json.loads((dest / "skill-seed14.json").read_text())["confirm"], "confirm")
+    after_run(argparse.Namespace(**{**vars(args), "quick": True}), plan_cells(args, []), tmp_path / "q")
+    assert len(evals) == 2 + 2  # --quick: its own small base (both sets), nothing published is scored
 
 
 def test_bench_score_confirm(tmp_path, evals):

@@ -302,16 +302,17 @@ def _same_psi(record: dict, cell: dict, path: Path) -> None:
 
 def after_run(args, cells: list[dict], out: Path):
     """What follows each finished run: the ``skill`` task's evaluations on both sets (of the base
-    checkpoint first, once; a base published without the confirmation set gets it), then
-    ``--publish``. Returns ``run_dir -> run_dir``."""
+    checkpoint first, once; the base and the runs published with their weights but without the
+    confirmation set get it first: :func:`score_published`), then ``--publish``. Returns
+    ``run_dir -> run_dir``."""
     publish_to = Path(args.publish) if args.publish else None
     cfg = load_config(cells[0]["preset"], None, cells[0]["overrides"]) if args.task == "skill" else None
     if cfg and not args.report_only and not base_published(publish_to, args.quick):
         base = base_eval(cfg, out / "base-heldout", cfg.threads, args.quick).parent
         if publish_to:
             publish(base, publish_to)
-    elif cfg and not args.report_only and publish_to:
-        score_published(publish_to, out / "scored", cfg, only=("base-heldout",))
+    if cfg and not args.report_only and publish_to and not args.quick:
+        score_published(publish_to, out / "scored", cfg)
 
     def after(run_dir: Path) -> Path:
         if args.task == "skill":

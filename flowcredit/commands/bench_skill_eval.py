@@ -6,7 +6,8 @@ Every run the skill bench finishes is evaluated on both sets (:func:`final_eval`
 and ``"confirm"``), the base checkpoint once the same way (:func:`base_eval`). A run published with its
 weights (``DEST/<run>/config.json`` and ``final/``: runs from 2026-12-06 on) but without the
 confirmation evaluation is scored from those weights, training nothing: ``flowcredit bench --task skill
---publish DEST --score_confirm`` (:func:`score_published`).
+--publish DEST --score_confirm`` (:func:`score_published`), and every skill bench with ``--publish``
+does it at its start.
 """
 
 from __future__ import annotations
