@@ -104,15 +104,15 @@ def test_the_readme_credit_rule_table_is_read():
 
 @pytest.mark.parametrize("folder", ["skill_compare", "skill_compare_gpu"])
 def test_results_json_is_the_report_of_the_published_runs(folder):
-    """``results.json`` is rewritten by hand (benchmarks/skill_grid_report.py) after runs land: a run
-    committed without it would leave the README's table checked against stale verdicts."""
+    """``results.json`` is rewritten by hand (benchmarks/skill_grid/skill_grid_report.py) after runs land:
+    a run committed without it would leave the README's table checked against stale verdicts."""
     from flowcredit.commands.bench_skill import skill_report
     from flowcredit.tasks.shapes import load_prompts
 
     records = {f.stem: json.loads(f.read_text()) for f in sorted((RESULTS / folder / "runs").glob("*.json"))}
     fresh = skill_report(records, {m["prompt"]: m["category"] for m in load_prompts("test")})["paired"]
     stored = json.loads((RESULTS / folder / "results.json").read_text())["paired"]
-    assert sorted(fresh) == sorted(stored), "rerun benchmarks/skill_grid_report.py on " + folder
+    assert sorted(fresh) == sorted(stored), "rerun benchmarks/skill_grid/skill_grid_report.py on " + folder
     for arm, result in fresh.items():
         assert result["seeds"] == stored[arm]["seeds"], arm
         assert result["verdict"] == stored[arm]["verdict"], arm

@@ -1,16 +1,16 @@
-"""benchmarks/skill_grid_report.py: the skill grid's table, results.json and figures from published runs
-(the report's arithmetic itself: tests/test_bench_skill.py)."""
+"""benchmarks/skill_grid/skill_grid_report.py: the skill grid's table, results.json and figures from
+published runs (the report's arithmetic itself: tests/test_bench_skill.py)."""
 
 import pytest
 from test_bench_skill import CATS, _record
 
 
 def _grid_report():
-    """benchmarks/skill_grid_report.py as a module."""
+    """benchmarks/skill_grid/skill_grid_report.py as a module."""
     import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).parents[1] / "benchmarks" / "skill_grid_report.py"
+    script = Path(__file__).parents[1] / "benchmarks" / "skill_grid" / "skill_grid_report.py"
     spec = importlib.util.spec_from_file_location("skill_grid_report", script)
     report = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(report)
@@ -69,7 +69,7 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
     report.main()
     rep = json.loads((tmp_path / "results.json").read_text())
     assert (
-        "side in one run (`benchmarks/skill_rate.py --arms`, best of its repeats; AMD EPYC,"
+        "side in one run (`benchmarks/speed/skill_rate.py --arms`, best of its repeats; AMD EPYC,"
         in (tmp_path / "table.md").read_text()
     )
     ratios = [report.time_ratio(arm, times) for arm in ("skill", "skill-tp", "skill-dense")]

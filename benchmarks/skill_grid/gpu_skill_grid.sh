@@ -91,6 +91,6 @@ tar czf - -C "$OUT" inflight | split -b 15m - "$OUT/inflight.tgz." && rm -rf "$O
 for log in runs/skill-gpu/runs/*.log; do  # each run's last progress line: iterations reached, s/it
     [ -f "$log" ] && echo "$(basename "$log"): $(tr '\r' '\n' <"$log" | grep -a 'it/s\|s/it' | tail -1 | cut -c1-110)"
 done
-"$PY" benchmarks/skill_grid_report.py "$RESULTS" 2>&1 | tail -30
+"$PY" benchmarks/skill_grid/skill_grid_report.py "$RESULTS" 2>&1 | tail -30
 pack
 ls -la "$OUT"

@@ -1,8 +1,8 @@
-"""The ``skill`` comparison's report (``flowcredit bench --task skill``, ``benchmarks/skill_grid_report.py``):
-held-out scores of the published runs (:func:`flowcredit.commands.bench_skill.publish`), paired
-differences to Flow-GRPO and the verdicts on the papers' claims. Re-exported by
-:mod:`flowcredit.commands.bench_skill`, which holds the arms, their network-call costs and the runs'
-final evaluation.
+"""The ``skill`` comparison's report (``flowcredit bench --task skill``,
+``benchmarks/skill_grid/skill_grid_report.py``): held-out scores of the published runs
+(:func:`flowcredit.commands.bench_skill.publish`), paired differences to Flow-GRPO and the verdicts on
+the papers' claims. Re-exported by :mod:`flowcredit.commands.bench_skill`, which holds the arms, their
+network-call costs and the runs' final evaluation.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ seeds both ran, and a verdict per paper claim (flowcredit/commands/bench_skill_r
 training reward per arm against iterations and against network calls spent. Runs scored on the
 confirmation set too (records' ``"confirm"``, the base's included) get a section of their own.
 
-    .venv/bin/python benchmarks/skill_grid_report.py benchmarks/results/skill_compare
+    .venv/bin/python benchmarks/skill_grid/skill_grid_report.py benchmarks/results/skill_compare
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def cost_table(costs: dict, gpu: bool, times: dict, rep: dict | None = None) -> 
         cpu, threads = times.get("cpu", {}).get("model", "?"), times.get("threads", "?")
         lines += [
             "Seconds per iteration ÷ Flow-GRPO's: iteration 0 of each arm from the same start, timed side by",
-            f"side in one run (`benchmarks/skill_rate.py --arms`, best of its repeats; {cpu},",
+            f"side in one run (`benchmarks/speed/skill_rate.py --arms`, best of its repeats; {cpu},",
             f"{threads} threads, `iteration_times.json`): the time ratio on a quiet machine.",
         ]
     return lines
@@ -393,7 +393,7 @@ def main() -> None:
         rep["confirm"] = skill_report(records, confirm, evaluation="confirm")
     (out / "results.json").write_text(json.dumps(rep, indent=1) + "\n")
     gpu = any(str(r.get("config", {}).get("device", "")).startswith("cuda") for r in records.values())
-    timed = out / "iteration_times.json"  # benchmarks/skill_rate.py --arms ... --out, on a quiet machine
+    timed = out / "iteration_times.json"  # speed/skill_rate.py --arms ... --out, on a quiet machine
     times = json.loads(timed.read_text()) if timed.is_file() else None
     (out / "table.md").write_text(table(rep, gpu, times) + "\n" + "\n".join(progress(out)))
     figure(rep, out / "compare.png")
