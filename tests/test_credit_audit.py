@@ -231,3 +231,4 @@ def test_audit_command_writes_every_statistic_and_resumes(tmp_path, capsys):
     assert again["rules"] == report["rules"] and again["ceiling"] == report["ceiling"]
     assert set(report["gradient_cosine"]) >= {"flow_grpo", "noise_halves"}
     assert again["gradient_cosine"] == report["gradient_cosine"]
+    assert "policy-gradient cosine" in capsys.readouterr().out

@@ -158,6 +158,11 @@ def format_report(report: dict) -> str:
     lines.append(
         f"{'noise ceiling':<16}{cells}  (Monte Carlo: {report['mc_calls_per_trajectory']:.0f} calls)"
     )
+    if cosines := report.get("gradient_cosine"):
+        n = next(iter(cosines.values()))["prompts"]
+        lines.append(f"policy-gradient cosine with the step effects' gradient ({n} prompts; noise_halves:")
+        lines.append("  the two halves' gradients, how close the reference itself is to noise-free)")
+        lines += [f"  {name:<16}{c['mean']:+.3f} ± {c['interval']:.3f}" for name, c in cosines.items()]
     return "\n".join(lines)
 
 
