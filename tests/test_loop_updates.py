@@ -149,21 +149,12 @@ def test_forward_update_gradient_is_the_rules_loss_at_the_reproduced_draws(rule,
     stats = fu.forward_update(s, ro, adv, batch.prompts, batch.group, keep, batch.rows, it)
     assert len(seen) == 1 and stats["stats/optimizer_steps"] == 1
 
-    b, clean = len(batch.group), ro.states[keep, -1]
-    gen = seeded(s.cfg.seed, it, 3)
+    b, gen = len(batch.group), seeded(s.cfg.seed, it, 3)
     times = times_of(s.sigmas, b, gen)  # (K, b)
     noise = torch.randn((len(times), b, *s.model.latent_shape), generator=gen)
     with torch.no_grad():
-        cond = s.model.encode(batch.prompts)[batch.group[keep]]
-    want = [torch.zeros_like(p) for p in s.params]
-    for k in range(len(times)):
-        t, eps = times[k, keep], noise[k, keep]
-        x_t = (1 - t.view(-1, 1, 1, 1)) * clean + t.view(-1, 1, 1, 1) * eps
-        with torch.no_grad(), weights(s, old):
-            v_old = velocity(s, x_t, t, cond)
-        loss = fn(v_theta=velocity(s, x_t, t, cond), v_old=v_old, clean=clean, noise=eps, t=t, adv=adv[keep])
-        for w, g in zip(want, torch.autograd.grad(loss, s.params)):
-            w += g / len(times)
+        cond = s.model.encode(batch.prompts)[batch.group]
+    want = rule_grad(s, fn, old, (ro.states[:, -1], times, noise), adv, cond, keep)
     assert_grads_close(seen[0], want)
 
 

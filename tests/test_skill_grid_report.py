@@ -38,6 +38,20 @@ def test_a_run_published_without_its_calls_stands_at_its_arms_mean():
     assert report.run_points("skill", arm, {}, base=0.2) == []  # no run logged its calls: no dots
 
 
+def _publish(tmp_path, records: dict, report, monkeypatch) -> None:
+    """``records`` as published runs under ``tmp_path/runs``, the report set to two categories."""
+    import json
+
+    (tmp_path / "runs").mkdir()
+    for name, rec in records.items():
+        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(rec))
+    monkeypatch.setattr(
+        report, "load_prompts", lambda split: [{"prompt": p, "category": c} for p, c in CATS.items()]
+    )
+    monkeypatch.setattr(report, "CATEGORIES", ("colors", "counting"))
+    monkeypatch.setattr(report, "PARTS", ("overall", "per_image", "colors", "counting"))
+
+
 def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch):
     import json
     import sys
@@ -47,14 +61,7 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
     report = _grid_report()
     records = {"base-heldout": _record(0.2), "skill-seed10": _record(0.3), "skill-tp-seed10": _record(0.36)}
     records["skill-seed10"]["curve"] = {"iteration": [1, 2], "reward": [0.2, 0.4], "nfe": [960, 1920]}
-    (tmp_path / "runs").mkdir()
-    for name, rec in records.items():
-        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(rec))
-    monkeypatch.setattr(
-        report, "load_prompts", lambda split: [{"prompt": p, "category": c} for p, c in CATS.items()]
-    )
-    monkeypatch.setattr(report, "CATEGORIES", ("colors", "counting"))
-    monkeypatch.setattr(report, "PARTS", ("overall", "per_image", "colors", "counting"))
+    _publish(tmp_path, records, report, monkeypatch)
     parked = tmp_path / "inflight" / "skill-tp-seed11"
     (parked / "checkpoint").mkdir(parents=True)
     (parked / "checkpoint" / "state.json").write_text(json.dumps({"iteration": 12}))
@@ -137,14 +144,7 @@ def test_the_confirmation_set_gets_a_section_of_its_own(tmp_path, monkeypatch):
         ("skill-tp-seed12", 0.3),
     ):
         records[name]["confirm"] = _record(v)["heldout"]
-    (tmp_path / "runs").mkdir()
-    for name, rec in records.items():
-        (tmp_path / "runs" / f"{name}.json").write_text(json.dumps(rec))
-    monkeypatch.setattr(
-        report, "load_prompts", lambda split: [{"prompt": p, "category": c} for p, c in CATS.items()]
-    )
-    monkeypatch.setattr(report, "CATEGORIES", ("colors", "counting"))
-    monkeypatch.setattr(report, "PARTS", ("overall", "per_image", "colors", "counting"))
+    _publish(tmp_path, records, report, monkeypatch)
     monkeypatch.setattr(sys, "argv", ["skill_grid_report.py", str(tmp_path)])
     report.main()
     rep = json.loads((tmp_path / "results.json").read_text())
