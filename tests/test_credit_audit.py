@@ -232,3 +232,40 @@ def test_audit_command_writes_every_statistic_and_resumes(tmp_path, capsys):
     assert set(report["gradient_cosine"]) >= {"flow_grpo", "noise_halves"}
     assert again["gradient_cosine"] == report["gradient_cosine"]
     assert "policy-gradient cosine" in capsys.readouterr().out
+
+
+def test_audit_of_a_published_runs_tensors_is_the_audit_of_its_own_snapshot(tmp_path):
+    """``--checkpoint PUB/iteration-K`` (trainable tensors only, as the bench publishes them) audits the
+    same weights as the run's own exported snapshot: the same completions, bit for bit."""
+    from loop_probes import small_config, small_model
+    from safetensors.torch import load_file
+
+    from flowcredit.commands.audit import main
+    from flowcredit.commands.bench_skill import publish
+    from flowcredit.train import train
+
+    cfg = small_config(
+        "flow_grpo", tmp_path / "runs/r", checkpoint=small_model(tmp_path / "m"), snapshot_every=1
+    )
+    train(cfg)
+    publish(tmp_path / "runs/r", tmp_path / "pub")
+    common = [
+        "--num_steps",
+        "6",
+        "--group_size",
+        "3",
+        "--max-prompts",
+        "1",
+        "--m",
+        "2",
+        "--grad-prompts",
+        "0",
+    ]
+    common += ["--reward", "reward_fixtures:brightness"]
+    for name, weights in (
+        ("own", tmp_path / "runs/r/snapshots/iteration-0001"),
+        ("pub", tmp_path / "pub/r/iteration-0001"),
+    ):
+        assert main([*common, "--checkpoint", str(weights), "--out", str(tmp_path / name)]) == 0
+    own, pub = (load_file(tmp_path / n / "groups/0000.safetensors") for n in ("own", "pub"))
+    assert torch.equal(own["completions"], pub["completions"])

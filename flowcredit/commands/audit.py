@@ -37,7 +37,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config", default=None, help="a YAML/JSON config on top of the preset (e.g. RUN/config.json)"
     )
-    p.add_argument("--checkpoint", default=None, help="the weights to audit (default: the config's)")
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="the weights to audit (default: the config's); also a published run's final/ or iteration-K",
+    )
     p.add_argument("--prompts", default="test", help="'test', 'train', a JSONL or text file")
     p.add_argument("--max-prompts", type=int, default=16, help="prompts spread over the set (0: all)")
     p.add_argument("--m", default="32", help="completions per state: one number, or one per audited state")
@@ -72,17 +76,24 @@ def parse_m(text: str, needed: torch.Tensor) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
+    from flowcredit.commands.eval import _tensors_only
     from flowcredit.models import load_model
     from flowcredit.presets import load_config
     from flowcredit.run.audit import audit_group, audit_rules, mc_needed, summarise
+    from flowcredit.run.policy import apply_trained
     from flowcredit.run.rollout import noise_levels
     from flowcredit.run.runlog import provenance
     from flowcredit.run.session import build_reward, configure_network, read_psi
     from flowcredit.tasks.prompt_sets import load_prompt_set
 
     args, rest = _parser().parse_known_args(argv)
-    overrides = [*rest, *(["--checkpoint", args.checkpoint] if args.checkpoint else [])]
-    cfg = load_config(args.preset, args.config, overrides)
+    published = Path(args.checkpoint) if args.checkpoint and _tensors_only(args.checkpoint) else None
+    if published is not None:  # a published run's tensors: its base from its config, the tensors merged in
+        base = json.loads((published.parent / "config.json").read_text())["checkpoint"]
+        rest = [*rest, "--checkpoint", base]
+    elif args.checkpoint:
+        rest = [*rest, "--checkpoint", args.checkpoint]
+    cfg = load_config(args.preset, args.config, rest)
     torch.set_num_threads(args.threads)
     if cfg.calibrate and not cfg.psi_path:
         raise ConfigError("psi_path", f"sampler {cfg.sampler!r} with calibrate: give the calibrated ψ file")
@@ -92,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     rules = audit_rules(args.rules)
     metas = load_prompt_set(args.prompts, args.max_prompts, spread=True)
     model = load_model(cfg)
+    if published is not None:
+        apply_trained(model, published)
     configure_network(cfg, model)
     reward = build_reward(cfg, cfg.reward)
     out = Path(args.out)
@@ -101,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     settings |= {"grad_prompts": min(args.grad_prompts, len(metas))}
     settings |= {"sampler": cfg.sampler, "noise_level": cfg.noise_level, "levels": levels.tolist()}
     settings |= {"checkpoint": cfg.checkpoint, "model": cfg.model, "reward": cfg.reward}
+    settings |= {"published": str(published)} if published is not None else {}
     t0, audits = time.time(), []
     for k, meta in enumerate(tqdm(metas, desc="audit", unit="prompt", dynamic_ncols=True)):
         grads = k < args.grad_prompts
