@@ -112,9 +112,10 @@ class Update:
             the old policy becomes ``η·old + (1 − η)·θ``. None: the old policy is the rollout's.
         samples_with: ``"current"`` (the rollout samples with θ) or ``"old"`` (with the old policy).
         check: ``(options) -> None``, raises ``ValueError`` naming a bad option value.
-        drops_zero_advantage: True if a row whose advantage is 0 adds no gradient at any θ, so the
-            loop may drop the groups whose advantages are all zero before the update (the clipped
-            surrogates: ``A·r`` is 0). False (the default, always correct) keeps every row of a group
+        drops_zero_advantage: True if a row whose advantage is 0 adds no policy-term gradient at any
+            θ, so the loop may drop the groups whose advantages are all zero before the update (the
+            clipped surrogates: ``A·r`` is 0; their KL term at β > 0 is dropped with them, as
+            Flow-GRPO's code does). False (the default, always correct) keeps every row of a group
             with valid rewards: AWM's ``old_beta`` KL and DiffusionNFT's ``r = ½`` branches pull θ
             toward the old policy at advantage 0 once θ ≠ old, and the loss's mean runs over the
             whole batch, as in both authors' codes.
@@ -274,7 +275,8 @@ def _checker(**choices: tuple[str, ...]) -> Callable[[Mapping[str, object]], Non
 _FORWARD = ("clean", "noise", "time", "velocity", "old_velocity")
 _OLD = {"old_decay_rate": 0.001, "old_decay_flat": 0}  # + old_decay_max: the soft update of the old policy
 
-# the clipped surrogates: a row with A = 0 adds no gradient, so the loop drops all-zero groups
+# the clipped surrogates: a row with A = 0 adds no policy-term gradient, so the loop drops all-zero
+# groups (with β > 0 their KL term would pull toward the reference; Flow-GRPO's code drops them too)
 register_update(
     "clipped",
     clipped,
