@@ -312,9 +312,8 @@ def egrpo(sigmas, *, level, iteration, total, generator, threshold=1.0, horizon=
     trajectory; ``False``: all merged SDE steps in one trajectory (the abstract's wording).
     """
     units = merge_units(sigmas, level, threshold, horizon)
-    if not any(float(sigmas[k]) < 1.0 for k, _ in units):  # from σ = 1: a unit at any threshold
-        none = "no step after the first (from σ = 1)" if units else "no step"
-        _fail("step schedule", "egrpo", "threshold", f"{threshold} is reached by {none} within the horizon")
+    if not units:  # a grid from σ = 1 always has one: its first step (infinite entropy)
+        _fail("step schedule", "egrpo", "threshold", f"{threshold} is reached by no step within the horizon")
     return merged_plan(sigmas, units, branch)
 
 
