@@ -86,9 +86,33 @@ def _call_loader(loader, cfg) -> FlowModel:
         raise ConfigError("checkpoint", problem) from exc
 
 
+CUDA_INSTALL = (
+    "install a CUDA build of the same torch into the venv, e.g. `.venv/bin/pip install torch=={version} "
+    "--index-url https://download.pytorch.org/whl/cu130` (the tag of your CUDA driver; docs/gpu.md)"
+)
+
+
+def check_device(device: str) -> None:
+    """A ``cuda`` device on a torch without CUDA (the CPU wheel ``make`` installs, or no GPU) is one
+    :class:`ConfigError` naming ``device`` and how to get a CUDA build, not torch's traceback."""
+    import torch
+
+    if not str(device).startswith("cuda") or torch.cuda.is_available():
+        return
+    version = torch.__version__.split("+")[0]
+    if torch.version.cuda is None:
+        problem = f"{device!r}: this torch ({torch.__version__}) has no CUDA; " + CUDA_INSTALL.format(
+            version=version
+        )
+    else:
+        problem = f"{device!r}: torch {torch.__version__} finds no CUDA GPU (driver, CUDA_VISIBLE_DEVICES?)"
+    raise ConfigError("device", problem)
+
+
 def load_model(cfg) -> FlowModel:
     """The adapter named by ``cfg.model`` (a name of :data:`MODELS` or ``pkg.mod:fn``), checked
     against the :class:`FlowModel` contract; ``cfg.guidance_scale`` > 0 overrides the model's."""
+    check_device(cfg.device)
     target = MODELS.get(cfg.model, cfg.model)
     module, _, name = target.partition(":")
     try:
