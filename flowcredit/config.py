@@ -217,11 +217,21 @@ def _field_type(f: dataclasses.Field) -> type:
     return hints[f.name]
 
 
+def unknown_key(name: str, fields) -> str:
+    """The message for a key that is no config field: the closest fields ("did you mean"), else all."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(fields), n=3, cutoff=0.7)
+    if close:
+        return f"unknown config key {name!r}; did you mean {' or '.join(map(repr, close))}?"
+    return f"unknown config key {name!r}; valid keys: {', '.join(sorted(fields))}"
+
+
 def parse_value(name: str, raw: str):
     """Convert a command-line string to the type of field ``name``."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
     if name not in fields:
-        raise UserError(f"unknown config key {name!r}; valid keys: {', '.join(sorted(fields))}")
+        raise UserError(unknown_key(name, fields))
     kind = _field_type(fields[name])
     try:
         if kind is bool:
@@ -241,7 +251,7 @@ def from_dict(values: dict, base: Config | None = None) -> Config:
     fields = {f.name: f for f in dataclasses.fields(Config)}
     for key, value in values.items():
         if key not in fields:
-            raise UserError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(fields))}")
+            raise UserError(unknown_key(key, fields))
         kind = _field_type(fields[key])
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)

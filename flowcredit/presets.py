@@ -240,7 +240,11 @@ def load_config(preset: str = "flow_grpo", yaml_path: str | None = None, overrid
     pairs = dict(zip((overrides or [])[::2], (overrides or [])[1::2]))
     import_plugins(pairs.get("--imports", ""))
     if preset not in PRESETS:
-        raise UserError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        import difflib
+
+        close = difflib.get_close_matches(preset, sorted(PRESETS), n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UserError(f"unknown preset {preset!r}; {hint}choose one of {sorted(PRESETS)}")
     cfg = PRESETS[preset]()
     if yaml_path:
         cfg = from_dict(read_mapping("--config", yaml_path), cfg)

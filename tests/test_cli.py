@@ -30,6 +30,8 @@ def one_error_line(capsys) -> str:
         (["eval", "--prompts", "no_such_prompts.jsonl"], "no_such_prompts.jsonl"),
         (["eval", "--model", "no_such_pkg:load"], "config field 'model'"),
         (["bench", "--presets", "flow_grpo,nope", "--quick"], "unknown preset 'nope'"),
+        (["train", "--grop_size", "4"], "unknown config key 'grop_size'; did you mean 'group_size'?"),
+        (["train", "--preset", "flow_grp"], "unknown preset 'flow_grp'; did you mean 'flow_grpo'?"),
     ],
 )
 def test_user_errors_are_one_line(argv, culprit, capsys, tmp_path, monkeypatch):
