@@ -2,10 +2,11 @@
 
 ``park``: copy each unfinished run's resumable state (``config.json``, the newest complete
 checkpoint — safetensors + JSON, about 1.1 MB —, ``metrics.jsonl``, ``timings.jsonl``, the start
-grid) from ``RUNS`` into ``DEST/<run>/``; finished runs are already published as small JSON by
-``flowcredit bench --publish``. ``restore``: copy them back into ``RUNS`` unless the run is there
-already; then the same ``flowcredit bench`` command resumes them from their checkpoints (resume is
-exact: docs/testing.md), and the parked copies can be deleted.
+grid, the trained tensors of each mid-run snapshot, ``snapshots/iteration-K/trainable.safetensors``,
+about 270 KB, which the published run keeps) from ``RUNS`` into ``DEST/<run>/``; finished runs are
+already published as small JSON by ``flowcredit bench --publish``. ``restore``: copy them back
+into ``RUNS`` unless the run is there already; then the same ``flowcredit bench`` command resumes
+them from their checkpoints (resume is exact: docs/testing.md), and the parked copies can be deleted.
 
     .venv/bin/python benchmarks/skill_grid/skill_grid_park.py park      # RUNS, DEST: the defaults below
     .venv/bin/python benchmarks/skill_grid/skill_grid_park.py restore
@@ -39,6 +40,9 @@ def park(runs: Path, dest: Path) -> list[str]:
                 shutil.copy2(run / name, tmp / name)
         _relative_run_dir(tmp / "config.json", run)
         shutil.copytree(checkpoint, tmp / "checkpoint")
+        for snapshot in sorted(run.glob("snapshots/iteration-*/trainable.safetensors")):  # mid-run weights
+            (tmp / snapshot.parent.relative_to(run)).mkdir(parents=True)
+            shutil.copy2(snapshot, tmp / snapshot.relative_to(run))
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)
         parked.append(run.name)
