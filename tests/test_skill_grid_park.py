@@ -25,6 +25,7 @@ def test_a_parked_run_keeps_its_snapshots_and_comes_back_whole(tmp_path):
     (run / "checkpoint").mkdir(parents=True)
     (run / "checkpoint" / "state.json").write_text(json.dumps({"iteration": 230}))
     (run / "config.json").write_text(json.dumps({"iterations": 450, "run_dir": "runs/x"}))
+    (run / "provenance.jsonl").write_text('{"iteration": 0, "device": "AMD EPYC"}\n')
     (run / "snapshots" / "iteration-0225").mkdir(parents=True)
     (run / "snapshots" / "iteration-0225" / "trainable.safetensors").write_bytes(b"lora")
     (run / "snapshots" / "iteration-0225" / "model.safetensors").write_bytes(b"merged, 3.7 MB")
@@ -35,4 +36,4 @@ def test_a_parked_run_keeps_its_snapshots_and_comes_back_whole(tmp_path):
     assert park.restore(tmp_path / "elsewhere", tmp_path / "inflight") == ["skill-dense-seed10"]
     back = tmp_path / "elsewhere" / "skill-dense-seed10"
     assert (back / "snapshots/iteration-0225/trainable.safetensors").read_bytes() == b"lora"
-    assert (back / "checkpoint" / "state.json").is_file()
+    assert (back / "checkpoint" / "state.json").is_file() and (back / "provenance.jsonl").is_file()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from flowcredit.run.checkpoint import find_checkpoint
 
-KEEP = ("config.json", "metrics.jsonl", "timings.jsonl", "grid_start_test.png")
+KEEP = ("config.json", "metrics.jsonl", "timings.jsonl", "grid_start_test.png", "provenance.jsonl")
 
 
 def park(runs: Path, dest: Path) -> list[str]:
