@@ -10,7 +10,7 @@ import flowcredit
 ROOT = Path(flowcredit.__file__).parent
 MATH_CORE = (
     *("schedule", "sde", "values", "advantages", "calibration", "losses"),
-    *("updates", "update_rules", "step_schedules", "step_weights", "credit_audit"),
+    *("updates", "update_rules", "step_schedules", "entropy_merge", "step_weights", "credit_audit"),
 )
 
 
