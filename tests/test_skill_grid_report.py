@@ -29,13 +29,13 @@ def test_a_run_published_without_its_calls_stands_at_its_arms_mean():
         "seeds": [10, 11, 12],
         "per_seed": {s: {"strict": {"overall": v}} for s, v in ((10, 0.3), (11, 0.4), (12, 0.5))},
     }
-    points = report.run_points("skill", arm, records, base=0.2)
+    points = report.figures.run_points("skill", arm, records, base=0.2)
     assert [(x, round(y, 9), logged) for x, y, logged in points] == [
         (2.0, 0.1, True),
         (4.0, 0.2, True),
         (3.0, 0.3, False),
     ]
-    assert report.run_points("skill", arm, {}, base=0.2) == []  # no run logged its calls: no dots
+    assert report.figures.run_points("skill", arm, {}, base=0.2) == []  # no run logged its calls: no dots
 
 
 def _publish(tmp_path, records: dict, report, monkeypatch) -> None:
@@ -49,7 +49,7 @@ def _publish(tmp_path, records: dict, report, monkeypatch) -> None:
         report, "load_prompts", lambda split: [{"prompt": p, "category": c} for p, c in CATS.items()]
     )
     monkeypatch.setattr(report, "CATEGORIES", ("colors", "counting"))
-    monkeypatch.setattr(report, "PARTS", ("overall", "per_image", "colors", "counting"))
+    monkeypatch.setattr(report.figures, "PARTS", ("overall", "per_image", "colors", "counting"))
 
 
 def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch):
@@ -91,7 +91,7 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
     )
     assert Image.open(tmp_path / "compare.png").size[0] > 500
     assert Image.open(tmp_path / "curves.png").size[0] > 500
-    assert report._smooth([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+    assert report.figures._smooth([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
 
 
 def test_runs_before_a_fix_of_their_update_rule_are_marked():
