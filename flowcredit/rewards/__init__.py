@@ -31,25 +31,28 @@ import numpy as np
 import torch
 
 from flowcredit.errors import UserError, one_line
-
-
-class RewardOutputError(UserError):
-    """A reward returned the wrong number of scores (a bug in the reward, not in its input)."""
-
+from flowcredit.rewards.errors import RewardInputError, RewardOutputError
 
 RewardFn = Callable[[torch.Tensor, list[str], list[dict]], torch.Tensor]
 RewardFactory = Callable[..., RewardFn]
 
 
 def _shapes(images, prompts, metadata):
+    """ShapeEval's soft score; every sample needs ShapeEval metadata (``prompt``, ``category``,
+    ``objects``; ``relation`` for ``position``), else :class:`RewardInputError` names it."""
+    from flowcredit.rewards.metadata import check_shapes_metadata
     from flowcredit.tasks.shapes import shapes_reward
 
+    check_shapes_metadata("shapes", prompts, metadata)
     return shapes_reward(images, prompts, metadata)
 
 
 def _shapes_strict(images, prompts, metadata):
+    """ShapeEval's pass/fail (1 iff every requirement holds); metadata as for ``shapes``."""
+    from flowcredit.rewards.metadata import check_shapes_metadata
     from flowcredit.tasks.shapes import shapes_strict_reward
 
+    check_shapes_metadata("shapes_strict", prompts, metadata)
     return shapes_strict_reward(images, prompts, metadata)
 
 
@@ -61,9 +64,10 @@ def _geneval(**options) -> RewardFn:
     if "clip_loader" in options:
         raise UserError("reward 'geneval' has no option 'clip_loader'")
     from flowcredit.rewards.clip import load_clip
+    from flowcredit.rewards.metadata import GenEvalChecked
     from flowcredit.tasks.geneval.reward import geneval
 
-    return geneval(**options, clip_loader=load_clip)
+    return GenEvalChecked(geneval(**options, clip_loader=load_clip))
 
 
 def _jpeg_kb(images) -> np.ndarray:
@@ -102,11 +106,14 @@ def score_frames(fn: RewardFn, clips: torch.Tensor, prompts, metadata, frame_str
     b = clips.shape[0]
     frames = clips[:, ::frame_stride]  # (B, F', 3, H, W)
     f = frames.shape[1]
-    values = fn(
-        frames.reshape(b * f, *frames.shape[2:]),
-        [p for p in prompts for _ in range(f)],
-        [m for m in metadata for _ in range(f)],
-    )
+    try:
+        values = fn(
+            frames.reshape(b * f, *frames.shape[2:]),
+            [p for p in prompts for _ in range(f)],
+            [m for m in metadata for _ in range(f)],
+        )
+    except RewardInputError as exc:  # a frame's input is its clip's
+        raise exc.at(exc.index // f) from exc
     values = torch.as_tensor(values, dtype=torch.float32).reshape(-1).cpu()
     if values.shape[0] != b * f:
         raise RewardOutputError(

@@ -15,7 +15,7 @@ import secrets
 from dataclasses import asdict, dataclass
 
 from flowcredit.errors import UserError
-from flowcredit.rewards import Reward, RewardOutputError
+from flowcredit.rewards import Reward, RewardInputError, RewardOutputError
 from flowcredit.rewards.batcher import Batcher, RewardAborted
 from flowcredit.rewards.wire import ServeError, parse_score_request, public_message
 
@@ -139,11 +139,18 @@ class RewardService:
         return n
 
     def error_status(self, name: str, exc: Exception) -> tuple[int, str]:
-        """Status and message for a failed request (4xx: the caller's fault; 500: the reward's). A
-        reward's exception is named by its type and an error id only: its text may hold paths, data
-        or secrets. The log (shown with ``--quiet`` too) keeps the whole text under that id."""
+        """Status and message for a failed request (4xx: the caller's fault; 500: the reward's).
+
+        The request's own faults are said in full: :class:`ServeError` (the server's checks) and
+        :class:`RewardInputError` (a reward's input check, naming the field, the sample and the
+        reason, 422). Any other exception of a reward is named by its type and an error id only: its
+        text may hold paths, data or secrets. The log (shown with ``--quiet`` too) keeps the whole
+        text under that id."""
         if isinstance(exc, ServeError):
             return exc.status, str(exc)
+        if isinstance(exc, RewardInputError):  # written for the caller, about its own input only
+            LOG.warning("reward %r rejected the input: %s", name, exc)
+            return 422, f"reward {name!r} rejected {exc}"
         error_id = secrets.token_hex(4)
         kind = exc.kind if isinstance(exc, RewardAborted) else type(exc).__name__
         see = f"(error id {error_id}; the server's log has the details)"

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from flowcredit.rewards import RewardOutputError
+from flowcredit.rewards import RewardInputError, RewardOutputError
 from flowcredit.rewards.wire import ScoreRequest, ServeError, decode_pngs
 
 
@@ -61,6 +61,17 @@ def _to_scores(value, n: int) -> list[float | None]:
     if value.shape[0] != n:
         raise RewardOutputError(f"reward returned {value.shape[0]} values for {n} images")
     return [v if math.isfinite(v) else None for v in value.tolist()]
+
+
+def _in_request(exc: RewardInputError, batch: list[_Slice]) -> RewardInputError:
+    """``exc``, raised for a position in a reward call of ``batch``'s slices, for that sample's position
+    in its own request (a call merges requests and may start inside one)."""
+    offset = 0
+    for s in batch:
+        if offset <= exc.index < offset + s.stop - s.start:
+            return exc.at(s.start + exc.index - offset)
+        offset += s.stop - s.start
+    return exc
 
 
 SUSPECT_S = 60.0
@@ -250,7 +261,7 @@ class Batcher:
         good, pixels = [], []
         for s in batch:  # a corrupt image fails its own request only
             try:
-                pixels.append(decode_pngs(s.pending.request.pngs[s.start : s.stop]))
+                pixels.append(decode_pngs(s.pending.request.pngs[s.start : s.stop], first=s.start))
                 good.append(s)
             except ServeError as exc:
                 s.pending.future.get_loop().call_soon_threadsafe(self._fail, s.pending, exc)
@@ -263,6 +274,8 @@ class Batcher:
         del pixels
         try:
             raw = self.reward_fn(images, prompts, metadata)
+        except RewardInputError as exc:
+            raise _in_request(exc, good) from exc
         except Exception:
             raise
         except (

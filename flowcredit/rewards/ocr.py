@@ -20,16 +20,31 @@ import functools
 import numpy as np
 import torch
 
+from flowcredit.rewards.errors import RewardInputError
+
 
 def ocr_target(prompt: str) -> str:
     """The text between the first pair of double quotes, whitespace removed, lower-cased."""
     parts = prompt.split('"')
     if len(parts) < 3:
-        raise ValueError(f'ocr reward: prompt {prompt!r} has no text in double quotes ("...")')
+        raise ValueError(f'the ocr reward needs a text in double quotes ("..."), prompt {prompt!r} has none')
     target = _normalise(parts[1])
     if not target:
-        raise ValueError(f"ocr reward: prompt {prompt!r} quotes an empty text")
+        raise ValueError(
+            f"the ocr reward needs a text in double quotes, prompt {prompt!r} quotes an empty one"
+        )
     return target
+
+
+def _targets(prompts: list[str]) -> list[str]:
+    """Every prompt's target (:func:`ocr_target`); :class:`RewardInputError` naming the first without."""
+    targets = []
+    for i, prompt in enumerate(prompts):
+        try:
+            targets.append(ocr_target(prompt))
+        except ValueError as exc:
+            raise RewardInputError("prompts", i, str(exc)) from None
+    return targets
 
 
 def _normalise(text: str) -> str:
@@ -91,14 +106,15 @@ def ocr(*, limit_side_len: int = 512, threads: int = 1, use_cls: bool = False):
 
     Returns:
         ``reward(images (B, 3, H, W) in [0, 1], prompts, metadata) -> (B,)`` float32 in [0, 1];
-        a prompt without quoted text raises ``ValueError`` naming it.
+        a prompt without quoted text raises :class:`~flowcredit.rewards.RewardInputError` (a
+        ``ValueError``) naming it.
     """
     engine = _engine(int(limit_side_len), int(threads), bool(use_cls))
 
     def reward(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         if len(prompts) != images.shape[0]:
             raise ValueError(f"ocr reward: {images.shape[0]} images but {len(prompts)} prompts")
-        targets = [ocr_target(p) for p in prompts]  # fail before any OCR work
+        targets = _targets(prompts)  # fail before any OCR work
         scores = [ocr_score(recognise(engine, img), t) for img, t in zip(images, targets)]
         return torch.tensor(scores, dtype=torch.float32)
 

@@ -166,7 +166,14 @@ class RemoteReward:
         images, prompts, metas = zip(*(encoded[i] for i in chunk))
         body = '{"images":[' + ",".join(f'"{s}"' for s in images) + '],"prompts":[' + ",".join(prompts)
         body += '],"metadata":[' + ",".join(metas) + "]}"
-        answer = self._request(self.endpoint, deadline, body.encode())
+        try:
+            answer = self._request(self.endpoint, deadline, body.encode())
+        except RemoteRewardError as exc:
+            if len(chunk) == len(encoded):
+                raise
+            raise RemoteRewardError(  # a 422 names e.g. metadata[2]: counted from the request's first
+                f"{exc} (in the request of images {chunk[0]}–{chunk[-1]} of this call, numbered from 0 there)"
+            ) from None
         values = answer.get("rewards") if isinstance(answer, dict) else None
         if not isinstance(values, list) or len(values) != len(chunk):
             raise RemoteRewardError(

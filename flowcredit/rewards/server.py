@@ -15,9 +15,11 @@ arrive), the wait for one of ``max_concurrency`` scoring slots and scoring; past
 (body still arriving) or 503. Errors answer ``{"error": "..."}``: 400 malformed request (or a PNG
 that is not 8-bit), 401 bad token, 404 unknown path or reward, 411 no Content-Length, 413 body, text
 or image over the limit (a body's Content-Length is checked before it is read), 415 not JSON, 422
-the reward rejected the input (``ValueError``), 431 request head too large, 500 the reward failed,
-503 busy. A reward's exception is named by its type and an error id, never its text, which goes to
-the log (docs/rewards.md, "Remote rewards").
+the reward rejected the input, 431 request head too large, 500 the reward failed, 503 busy. A 4xx
+message names the culprit (a field, ``images[k]``, where the JSON breaks), and so does a 422 for a
+reward's :class:`~flowcredit.rewards.RewardInputError` (``metadata[0]: ...``: its text is written for
+the client). Any other exception of a reward is named by its type and an error id, never its text,
+which goes to the log (docs/rewards.md, "Remote rewards").
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def _check_layout(img) -> None:
     however many there were) from one of :data:`EXACT_RAWMODES`."""
     rawmode = img.tile[0][3] if img.tile else None
     if rawmode not in EXACT_RAWMODES:
-        raise ServeError(400, f"images must be 8-bit PNGs (grey, RGB, RGBA or palette), got {rawmode}")
+        raise ServeError(400, f"not an 8-bit PNG (grey, RGB, RGBA or palette): PIL reads it as {rawmode}")
 
 
 def _png(data, max_pixels: int) -> tuple[bytes, tuple[int, int]]:
@@ -91,13 +91,13 @@ def _png(data, max_pixels: int) -> tuple[bytes, tuple[int, int]]:
     from PIL import Image
 
     if not isinstance(data, (str, memoryview)):
-        raise ServeError(400, "images must be base64 PNG strings")
+        raise ServeError(400, f"must be a base64 PNG string, got {_json_type(data)}")
     try:
         png = base64.b64decode(data, validate=True) if isinstance(data, str) else binascii.a2b_base64(data)
         with Image.open(io.BytesIO(png)) as img:
             fmt, size = img.format, img.size
             if fmt != "PNG":
-                raise ServeError(400, f"images must be PNG, got {fmt}")
+                raise ServeError(400, f"must be a PNG, got {fmt}")
             _check_layout(img)
             if size[0] * size[1] > max_pixels:
                 raise ServeError(413, f"image of {size[0]}x{size[1]} exceeds {max_pixels} pixels")
@@ -219,8 +219,8 @@ def parse_score_request(
         req = json.loads(text)
     except RecursionError:
         raise ServeError(400, "body is not JSON: nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ServeError(400, f"body is not JSON: {exc}") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise ServeError(400, f"body is not JSON: {_json_fault(exc, mark, spans)}") from None
     del text
     images, prompts, metadata = _shape(req)
     placed = {int(x[len(mark) :]) for x in images if isinstance(x, str) and x.startswith(mark)}
@@ -228,54 +228,121 @@ def parse_score_request(
         strings = {k: bytes(body[a:b]).decode("ascii") for k, (a, b) in enumerate(spans) if k not in placed}
         prompts = [_restore(x, mark, strings) for x in prompts]
         metadata = [_restore(x, mark, strings) for x in metadata]
-    if not all(isinstance(p, str) for p in prompts) or not all(isinstance(m, dict) for m in metadata):
-        raise ServeError(400, "prompts must be strings and metadata objects")
-    pngs, sizes = [], set()
+    _check_items("prompts", prompts, str, "a string")
+    _check_items("metadata", metadata, dict, "an object")
+    pngs, sizes = [], []
     with memoryview(body) as view:
-        for x in images:
+        for k, x in enumerate(images):
             placeholder = isinstance(x, str) and x.startswith(mark)
             a, b = spans[int(x[len(mark) :])] if placeholder else (0, 0)
-            png, size = _png(view[a:b] if placeholder else x, max_pixels)
+            try:
+                png, size = _png(view[a:b] if placeholder else x, max_pixels)
+            except ServeError as exc:
+                raise ServeError(exc.status, f"images[{k}]: {exc}") from None
+            if sizes and size != sizes[0]:
+                raise ServeError(
+                    400,
+                    f"images[{k}] is {_wxh(size)}, images[0] {_wxh(sizes[0])}: "
+                    "a request's images must share one size",
+                )
             pngs.append(png)
-            sizes.add(size)
-    if len(sizes) > 1:
-        raise ServeError(400, f"all images must have one size, got {sorted(sizes)}")
-    return ScoreRequest(pngs, sizes.pop() if sizes else None, prompts, metadata)
+            sizes.append(size)
+    return ScoreRequest(pngs, sizes[0] if sizes else None, prompts, metadata)
+
+
+def _wxh(size: tuple[int, int]) -> str:
+    return f"{size[0]}x{size[1]}"
+
+
+def _json_type(value) -> str:
+    """The JSON name of a parsed value's type (``object``, ``array``, ``string``, ...)."""
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number" if isinstance(value, (int, float)) else type(value).__name__)
+
+
+def _check_items(field: str, values: list, kind: type, what: str) -> None:
+    """``ServeError`` 400 naming the first item of ``values`` that is not a ``kind`` (``what``)."""
+    for i, value in enumerate(values):
+        if not isinstance(value, kind):
+            raise ServeError(400, f"{field}[{i}] must be {what}, got {_json_type(value)}")
+
+
+def _json_fault(exc: ValueError, mark: str, spans: list[tuple[int, int]]) -> str:
+    """What :func:`json.loads` found wrong with the body's text, and where in the *body*: the text
+    holds a short placeholder for each image (:func:`split_images`), so its positions are moved by
+    the length each image's string had (images hold no newline: lines are the body's)."""
+    if isinstance(exc, UnicodeDecodeError):  # json.loads decodes bytes first: a position in bytes
+        doc, pos, what = exc.object, exc.start, f"not UTF-8 ({exc.reason})"
+    elif isinstance(exc, json.JSONDecodeError):
+        doc, pos, what = exc.doc, exc.pos, exc.msg
+    else:
+        return str(exc)
+    newline = b"\n" if isinstance(doc, bytes) else "\n"
+    line_start = doc.rfind(newline, 0, pos) + 1
+    shift, line_shift = _image_growth(doc, pos, line_start, mark, spans)
+    line, column = doc.count(newline, 0, pos) + 1, pos - line_start + line_shift + 1
+    unit = "byte" if isinstance(doc, bytes) else "character"
+    return f"{what} at line {line} column {column} ({unit} {pos + shift} of the body)"
+
+
+def _image_growth(doc, pos: int, line_start: int, mark: str, spans) -> tuple[int, int]:
+    """How much longer the body is than the parsed text ``doc`` (str or bytes) before ``pos``: the
+    images' strings less their placeholders, in all and since ``line_start``."""
+    prefix = f'"\\u0000{mark[1:]}'  # a placeholder as JSON text, up to its index
+    prefix = prefix.encode() if isinstance(doc, bytes) else prefix
+    shift = line_shift = 0
+    i = doc.find(prefix)
+    while 0 <= i < pos:
+        end = doc.find(prefix[:1], i + len(prefix))  # its closing quote
+        a, b = spans[int(doc[i + len(prefix) : end])]
+        grew = (b - a + 2) - (end + 1 - i)  # the image's string, quotes included, less its placeholder
+        shift += grew
+        line_shift += grew if i >= line_start else 0
+        i = doc.find(prefix, end)
+    return shift, line_shift
+
+
+BODY_SHAPE = '{"images": [base64 PNG, ...], "prompts": [string, ...], "metadata": [object, ...] (optional)}'
 
 
 def _shape(req) -> tuple[list, list, list]:
     """``(images, prompts, metadata)`` of a parsed body; ``ServeError`` 400 if its shape is wrong."""
-    if not isinstance(req, dict) or not {"images", "prompts"} <= set(req) <= {
-        "images",
-        "prompts",
-        "metadata",
-    }:
-        raise ServeError(
-            400, 'body must be {"images": [...], "prompts": [...], "metadata": [...] (optional)}'
-        )
+    if not isinstance(req, dict):
+        raise ServeError(400, f"body must be a JSON object {BODY_SHAPE}, got {_json_type(req)}")
+    unknown = [k for k in req if k not in ("images", "prompts", "metadata")]
+    if unknown:
+        names = ", ".join(repr(k if len(k) <= 40 else k[:37] + "...") for k in unknown[:3])
+        raise ServeError(400, f"unknown field {names} in the body; it takes {BODY_SHAPE}")
+    missing = [k for k in ("images", "prompts") if k not in req]
+    if missing:
+        raise ServeError(400, f"the body lacks {' and '.join(map(repr, missing))}; it takes {BODY_SHAPE}")
     images, prompts = req["images"], req["prompts"]
     metadata = req.get("metadata", [{} for _ in prompts] if isinstance(prompts, list) else None)
-    if not (isinstance(images, list) and isinstance(prompts, list) and isinstance(metadata, list)):
-        raise ServeError(400, "images, prompts and metadata must be lists")
+    for field, value in (("images", images), ("prompts", prompts), ("metadata", metadata)):
+        if not isinstance(value, list):
+            raise ServeError(400, f"{field} must be an array, got {_json_type(value)}")
     if not len(images) == len(prompts) == len(metadata):
         counts = f"{len(images)} images, {len(prompts)} prompts, {len(metadata)} metadata"
         raise ServeError(400, f"{counts}: must match")
     return images, prompts, metadata
 
 
-def decode_pngs(pngs: list[bytes]) -> np.ndarray:
-    """PNG files of one size → ``(B, H, W, 3)`` uint8 pixels; ``ServeError`` 400 if corrupt or not
-    one of :data:`EXACT_RAWMODES` (checked again where the pixels are decoded)."""
+def decode_pngs(pngs: list[bytes], first: int = 0) -> np.ndarray:
+    """PNG files of one size → ``(B, H, W, 3)`` uint8 pixels; ``ServeError`` 400 naming the image
+    (``images[first + j]``) if corrupt or not one of :data:`EXACT_RAWMODES` (checked again where the
+    pixels are decoded)."""
     from PIL import Image
 
-    try:
-        arrays = []
-        for png in pngs:
+    arrays = []
+    for j, png in enumerate(pngs):
+        try:
             with Image.open(io.BytesIO(png)) as img:
                 _check_layout(img)
                 arrays.append(np.asarray(img.convert("RGB")))
-    except ServeError:
-        raise
-    except Exception as exc:  # corrupt pixel data that passed the checksums
-        raise ServeError(400, f"undecodable image: {type(exc).__name__}: {exc}") from None
+        except ServeError as exc:
+            raise ServeError(exc.status, f"images[{first + j}]: {exc}") from None
+        except Exception as exc:  # corrupt pixel data that passed the checksums
+            raise ServeError(
+                400, f"images[{first + j}]: undecodable image: {type(exc).__name__}: {exc}"
+            ) from None
     return np.stack(arrays)
