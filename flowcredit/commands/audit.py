@@ -16,7 +16,6 @@ Cost: states × M × remaining steps network calls per trajectory (× 2 with CFG
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from functools import partial
@@ -24,14 +23,15 @@ from pathlib import Path
 
 import torch
 
+from flowcredit.cli_args import ArgParser, add_config_fields
 from flowcredit.errors import ConfigError, UserError
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def _parser() -> ArgParser:
+    p = ArgParser(
         prog="flowcredit audit",
-        description="Audit every credit rule against Monte-Carlo step effects; other --field value pairs "
-        "override the config (e.g. --group_size 8 --noise_level 0.5).",
+        description="Audit every credit rule against Monte-Carlo step effects; the config fields below "
+        "override the preset's (e.g. --group_size 8 --noise_level 0.5).",
     )
     p.add_argument("--preset", default="skill", help="the sampler, reward and model settings (default skill)")
     p.add_argument(
@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="runs/audit", help="directory of audit.json, audit.png and groups/")
+    add_config_fields(p)  # but seed, checkpoint and threads: the audit's own options above
     return p
 
 
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     from flowcredit.run.session import build_reward, configure_network, read_psi
     from flowcredit.tasks.prompt_sets import load_prompt_set
 
-    args, rest = _parser().parse_known_args(argv)
+    args, rest = _parser().parse_with_overrides(argv)
     published = Path(args.checkpoint) if args.checkpoint and _tensors_only(args.checkpoint) else None
     if published is not None:  # a published run's tensors: its base from its config, the tensors merged in
         base = json.loads((published.parent / "config.json").read_text())["checkpoint"]

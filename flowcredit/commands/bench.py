@@ -16,7 +16,6 @@ DenseGRPO's ψ calibration, start evaluation) is reported apart. 2) NFE counts t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -26,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from flowcredit.cli_args import ArgParser, add_config_fields
 from flowcredit.commands.bench_read import json_safe, read_run
 from flowcredit.commands.bench_report import write_plots, write_table
 from flowcredit.commands.bench_skill import SKILL_ARMS, after_run, published, relative_paths, score_published
@@ -118,11 +118,12 @@ CHEAP = {"dense_grpo": {"euler1": EULER1}, "tp_grpo": {"euler1": EULER1}}
 values instead of ODE completions, at about Flow-GRPO's cost per iteration (``--no_cheap`` drops them)."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> ArgParser:
     doc = (
-        "Compare credit methods (presets × seeds, equal budgets); other --field value pairs override config."
+        "Compare credit methods (presets × seeds, equal budgets). The config fields below override every "
+        "run's config, after the task's settings; --seed and --run_dir are the bench's own (--seeds, --out)."
     )
-    p = argparse.ArgumentParser(prog="flowcredit bench", description=doc)
+    p = ArgParser(prog="flowcredit bench", description=doc)
     p.add_argument("--presets", default=",".join(COMPARED_PRESETS), help="comma list of presets to compare")
     p.add_argument("--task", default="demo", choices=sorted(TASKS), help="settings shared by every cell")
     p.add_argument("--seeds", default=None, help="comma list (default 0,1,2; --quick: 0)")
@@ -147,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
         help="--task skill: score the runs published in --publish with their weights on the confirmation "
         "set (and the base), training nothing",
     )
+    add_config_fields(p, skip=("seed", "run_dir"))
     return p
 
 
@@ -158,9 +160,9 @@ def plan_cells(args, rest: list[str]) -> list[dict]:
     if args.iterations is not None:
         common += ["--iterations", str(args.iterations)]
     common += rest
-    names = {k.lstrip("-").replace("-", "_") for k in rest[::2]}
-    if names & {"seed", "run_dir"}:
-        raise ValueError("flowcredit bench sets --seed and --run_dir itself (use --seeds and --out)")
+    taken = [k for k in rest[::2] if k.lstrip("-").replace("-", "_") in ("seed", "run_dir")]
+    if taken:
+        raise UserError(f"{taken[0]} is set by the bench for every run (use --seeds and --out)")
     cells = []
     for preset in args.presets.split(","):
         cells.append({"name": preset, "preset": preset, "ablation": None, "overrides": common})
@@ -327,15 +329,38 @@ def score_confirm(args, cells: list[dict], out: Path) -> int:
     return 0
 
 
+def run_all(args, jobs: list[tuple[dict, int]], runs: Path, after) -> dict:
+    """``{(cell name, seed): run_dir}`` of every job, trained here (or in ``--jobs`` processes) unless
+    finished earlier, under a progress bar over the runs, labelled with the cell and seed started last."""
+    from tqdm import tqdm
+
+    run = run_in_process if args.jobs > 1 else run_cell
+    with tqdm(total=len(jobs), desc="bench", unit="run", dynamic_ncols=True) as bar:
+
+        def one(job: tuple[dict, int]) -> Path:
+            bar.set_description(f"bench {job[0]['name']} seed {job[1]}")
+            run_dir = after(run(*job, runs))
+            bar.update()
+            return run_dir
+
+        if args.jobs > 1:
+            with ThreadPoolExecutor(args.jobs) as pool:
+                dirs = list(pool.map(one, jobs))
+        else:  # in this thread: train() handles SIGINT, which only the main thread receives
+            _warm_imports()
+            dirs = [one(job) for job in jobs]
+    return {(c["name"], s): d for (c, s), d in zip(jobs, dirs)}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args, rest = _parser().parse_known_args(argv)
+    args, rest = _parser().parse_with_overrides(argv)
     if len(rest) % 2:
-        raise SystemExit(f"flowcredit bench: overrides must come as '--field value' pairs, got {rest}")
+        raise UserError(f"overrides must come as '--field value' pairs, got {rest}")
     seeds = [int(s) for s in (args.seeds or ("0" if args.quick else "0,1,2")).split(",")]
+    cells = plan_cells(args, rest)  # before any directory is made: a refused flag leaves nothing behind
     out = Path(args.out)
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    cells = plan_cells(args, rest)
     if args.score_confirm:
         return score_confirm(args, cells, out)
     if not args.report_only or (out / "psi" / "psi.json").is_file():  # report: name the ψ that was used
@@ -347,13 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         done = {(c["name"], s): runs / f"{c['name']}-seed{s}" for c, s in jobs}
         done = {k: d for k, d in done.items() if (d / "summary.json").is_file()}
-    elif args.jobs > 1:
-        with ThreadPoolExecutor(args.jobs) as pool:
-            dirs = pool.map(lambda job: after(run_in_process(*job, runs)), jobs)
-            done = {(c["name"], s): d for (c, s), d in zip(jobs, dirs)}
     else:
-        _warm_imports()
-        done = {(c["name"], s): after(run_cell(c, s, runs)) for c, s in jobs}
+        done = run_all(args, jobs, runs, after)
     results = {
         c["name"]: [read_run(done[c["name"], s]) | {"seed": s} for s in seeds if (c["name"], s) in done]
         for c in cells

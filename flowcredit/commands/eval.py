@@ -10,7 +10,6 @@ falling back to the training value). A flag given on the command line wins."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from functools import partial
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowcredit.cli_args import ArgParser
 from flowcredit.config import Config, from_dict, read_mapping
 from flowcredit.errors import UserError, reading
 from flowcredit.models import load_model
@@ -38,7 +38,7 @@ from flowcredit.tasks.prompt_sets import read_prompts
 from flowcredit.validation import validate
 
 
-def _common_args(p: argparse.ArgumentParser) -> None:
+def _common_args(p: ArgParser) -> None:
     p.add_argument("--config", default=None, help="a YAML/JSON config (e.g. a run's config.json): defaults")
     p.add_argument(
         "--model",
@@ -153,8 +153,8 @@ def _write_eval_outputs(out: Path, result: dict, run: dict, metas: list[dict], k
     print(f"\nwrote {out / 'eval.json'} and {out / 'grid.png'}")
 
 
-def _eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowcredit eval", description=main_eval.__doc__)
+def _eval_parser() -> ArgParser:
+    p = ArgParser(prog="flowcredit eval", description=main_eval.__doc__)
     _common_args(p)
     p.add_argument(
         "--prompts", default="test", help="'test' (default), 'train', a JSONL file or a text file of prompts"
@@ -164,7 +164,7 @@ def _eval_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reward_options", default=None, help="JSON of per-reward options, as the trainer's")
     p.add_argument("--seeds", default="0", help="comma-separated noise seeds, e.g. 0,1,2")
-    p.add_argument("--samples-per-prompt", type=int, default=4)
+    p.add_argument("--samples-per-prompt", type=int, default=4, help="samples per prompt (default 4)")
     p.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
     p.add_argument("--out", default=None, help="directory for eval.json and grid.png")
     p.add_argument("--grid-prompts", type=int, default=12, help="prompts shown in grid.png")
@@ -233,15 +233,19 @@ def main_eval(argv: list[str] | None = None) -> int:
     return 0
 
 
-def main_sample(argv: list[str] | None = None) -> int:
-    """``flowcredit sample``: a row of ``n`` ODE samples of one prompt, saved as a PNG."""
-    p = argparse.ArgumentParser(prog="flowcredit sample", description=main_sample.__doc__)
+def _sample_parser() -> ArgParser:
+    p = ArgParser(prog="flowcredit sample", description=main_sample.__doc__)
     _common_args(p)
     p.add_argument("--prompt", required=True, help='e.g. "two red circles"')
     p.add_argument("--n", type=int, default=8, help="number of samples")
     p.add_argument("--seed", type=int, default=0, help="noise seed")
     p.add_argument("--out", required=True, help="PNG file to write")
-    args = p.parse_args(argv)
+    return p
+
+
+def main_sample(argv: list[str] | None = None) -> int:
+    """``flowcredit sample``: a row of ``n`` ODE samples of one prompt, saved as a PNG."""
+    args = _sample_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg, final = config_from_args(args)
     model = load_for_cli(cfg, final)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from flowcredit.cli_args import ArgParser
 from flowcredit.models.tiny import TinyConfig, TinyFlowModel
 from flowcredit.tasks import shapes
 
@@ -153,8 +154,8 @@ def pretrain(args: argparse.Namespace) -> tuple[TinyFlowModel, dict]:
     return model, summary
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowcredit pretrain", description=__doc__.split("\n\n")[0])
+def build_parser() -> ArgParser:
+    p = ArgParser(prog="flowcredit pretrain", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--steps", type=int, default=700, help="optimizer steps (default 700)")
     p.add_argument("--batch-size", type=int, default=64)

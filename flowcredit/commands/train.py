@@ -3,24 +3,24 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from flowcredit.cli_args import CONFIG_ORDER, ArgParser, add_config_fields
 from flowcredit.config import Config, from_dict, read_mapping
 from flowcredit.errors import UserError
 from flowcredit.presets import PRESETS, load_config
 from flowcredit.validation import apply_overrides
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def _parser() -> ArgParser:
+    p = ArgParser(
         prog="flowcredit train",
-        description="GRPO with step-level credit assignment. "
-        "Any config field can be given as --field value (see flowcredit/config.py).",
+        description=f"GRPO fine-tuning with step-level credit assignment. {CONFIG_ORDER}",
     )
     p.add_argument("--preset", default="flow_grpo", help=" | ".join(PRESETS))
-    p.add_argument("--config", default=None, help="YAML file of config fields")
+    p.add_argument("--config", default=None, help="YAML or JSON file of config fields, over the preset")
     p.add_argument("--resume", default=None, metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    add_config_fields(p)
     return p
 
 
@@ -37,9 +37,9 @@ def resume_config(run_dir: str, overrides: list[str]) -> Config:
 def main(argv: list[str] | None = None) -> int:
     from flowcredit.train import train
 
-    args, rest = _parser().parse_known_args(argv)
+    args, overrides = _parser().parse_with_overrides(argv)
     if args.resume:
-        train(resume_config(args.resume, rest), resume=True)
+        train(resume_config(args.resume, overrides), resume=True)
     else:
-        train(load_config(args.preset, args.config, rest))
+        train(load_config(args.preset, args.config, overrides))
     return 0
