@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 
+from flowcredit.cli_args import ArgParser
 from flowcredit.errors import UserError
 from flowcredit.rewards import Reward, get_reward, parse_mix
 from flowcredit.rewards.app import Limits, create_app, require_stack
@@ -175,7 +176,7 @@ LIMIT_FLAGS = [  # flag, Limits field, type, unit (field = flag value × unit), 
 
 def _parser() -> argparse.ArgumentParser:
     d = Limits()
-    p = argparse.ArgumentParser(prog="flowcredit serve-reward", description=__doc__.split("\n\n")[0])
+    p = ArgParser(prog="flowcredit serve-reward", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--reward",
         action="append",
