@@ -20,7 +20,6 @@ Methods differ only by what they pick from the registries (``SAMPLERS[cfg.sample
 from __future__ import annotations
 
 import math
-import signal
 import sys
 import time
 from dataclasses import asdict
@@ -37,11 +36,12 @@ from flowcredit.run.calibrate import ensure_psi
 from flowcredit.run.evaluation import evaluate_policy
 from flowcredit.run.forward_update import forward_update, step_old_policy
 from flowcredit.run.micro_batches import UpdateStats, micro_batches, param_spread
-from flowcredit.run.outputs import export_final, final_artifacts
+from flowcredit.run.outputs import export_final, final_artifacts, run_label, start_notes
 from flowcredit.run.plans import iteration_plan, levels_of, sample
 from flowcredit.run.rollout import needed_states, seeded, state_values, uncond_given
 from flowcredit.run.runlog import RunLog, plot_curves
 from flowcredit.run.session import Session, build_session
+from flowcredit.run.stopping import StopRequests
 from flowcredit.step_weights import step_weights
 from flowcredit.updates import normalized_log_ratio
 from flowcredit.validation import weight_options
@@ -272,54 +272,68 @@ def train(
 ) -> dict:
     """Run (or resume) training in ``cfg.run_dir``; returns the end-of-run summary (rank 0).
 
-    ``model`` and ``reward`` replace the ones ``cfg`` names (benchmarks and tests inject them).
+    ``model`` and ``reward`` replace the ones ``cfg`` names (benchmarks and tests inject them). A first
+    Ctrl-C stops the run after the iteration in flight, a second one at once (:mod:`flowcredit.run.stopping`).
     """
     s = build_session(cfg, resume, model=model, reward=reward)
     ensure_psi(s)  # DenseGRPO: calibrate ψ with the initial policy before the first iteration
     main = s.dist.is_main  # rank 0 alone evaluates (FSDP: every rank) and writes the run directory
-    interrupted = {"flag": False}
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
-    t_start = time.time()
-    resumed_at = s.start_iteration if resume else None
-    log = RunLog(s.run_dir, resumed_at, cfg.log_with, asdict(cfg)) if main else None
-    done = s.start_iteration
+    t_start, resumed_at = time.time(), s.start_iteration if resume else None
+    log = RunLog(s.run_dir, resumed_at, cfg.log_with, asdict(cfg)) if main else None  # and the run's clock
+    for note in start_notes(cfg) if main else []:
+        print(note, flush=True)
+    with StopRequests(s.run_dir, announce=main) as stop:
+        try:
+            done = run_iterations(s, log, stop, t_start)
+        finally:
+            if log is not None:
+                log.close()
+        if not (main or s.dist.sharded):
+            return {}
+        if main:
+            plot_curves(s.run_dir)
+        early = None  # a run cut short is not the run of its settings: the summary says so
+        if done < cfg.iterations:
+            early = "Ctrl-C" if stop.ctrl_c else f"max_minutes={cfg.max_minutes:g}"
+        elapsed = log.elapsed() if log is not None else time.time() - t_start  # all processes'
+        return final_artifacts(s, elapsed, early)  # FSDP: every rank gathers, rank 0 writes
+
+
+def run_iterations(s: Session, log: RunLog | None, stop: StopRequests, t_start: float) -> int:
+    """The start evaluation of a new run, then iterations until the last one or until any rank asks to
+    stop (Ctrl-C, ``max_minutes``); returns the number of iterations done. The progress bar ends at
+    100 %, or says where the run stopped."""
+    cfg, main = s.cfg, s.dist.is_main
+    if s.start_iteration == 0 and (main or s.dist.sharded):
+        scores = evaluated(s, log, 0, "start")
+        if main:
+            log.log(0, scores)
+    label, done = f"train {run_label(cfg)}", s.start_iteration
+    bar = tqdm(
+        total=cfg.iterations,
+        initial=done,
+        desc=label,
+        dynamic_ncols=True,
+        file=sys.stdout,
+        disable=not main,
+    )
     try:
-        if s.start_iteration == 0 and (main or s.dist.sharded):
-            scores = evaluated(s, log, 0, "start")
-            if main:
-                log.log(0, scores)
-        its = range(s.start_iteration, cfg.iterations)
-        bar = tqdm(
-            its,
-            initial=s.start_iteration,
-            total=cfg.iterations,
-            desc=f"train {cfg.credit}",
-            dynamic_ncols=True,
-            file=sys.stdout,
-            disable=not main,
-        )
-        for it in bar:
+        for it in range(s.start_iteration, cfg.iterations):
             t0 = time.time()
             metrics = grpo_iteration(s, it)
             done = it + 1
             out_of_time = bool(cfg.max_minutes) and (time.time() - t_start) / 60 >= cfg.max_minutes
-            stop = done == cfg.iterations or interrupted["flag"] or out_of_time
-            last = s.dist.sum_(torch.tensor(float(stop))).item() > 0  # any rank stopping stops all
+            stopping = done == cfg.iterations or stop.ctrl_c or out_of_time
+            last = s.dist.sum_(torch.tensor(float(stopping))).item() > 0  # any rank stopping stops all
             end_iteration(s, log, metrics, done, last, t0)
+            bar.update(1)
             if main:
                 bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}"})
             s.dist.barrier()
             if last:
                 break
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if log is not None:
-            log.close()
-    if not (main or s.dist.sharded):
-        return {}
-    if main:
-        plot_curves(s.run_dir)
-    early = None  # a run cut short is not the run of its settings: the summary says so
-    if done < cfg.iterations:
-        early = "Ctrl-C" if interrupted["flag"] else f"max_minutes={cfg.max_minutes:g}"
-    return final_artifacts(s, time.time() - t_start, early)  # FSDP: every rank gathers, rank 0 writes
+        if done < cfg.iterations:
+            bar.set_description(f"{label}: stopped after {done} of {cfg.iterations}")
+        bar.close()
+    return done

@@ -2,7 +2,10 @@
 clock), a tracker (``log_with``: TensorBoard events in ``run_dir/tb``, or Weights & Biases), the
 reward-curve PNG, image grids and the end-of-run summary.
 
-The JSONL files are always written: resume and the bench read them. Trackers are accelerate's
+The JSONL files are always written: resume and the bench read them. ``timings.jsonl`` also keeps the
+run's clock, ``time/run_s``: the seconds of training so far over every process of a resumed run
+(:meth:`RunLog.elapsed`); checkpoints stay free of wall-clock numbers, so that a resumed run's equal an
+uninterrupted one's byte for byte. Trackers are accelerate's
 (``accelerate.tracking``); wandb is the optional extra ``flowcredit[wandb]`` and runs offline with
 ``WANDB_MODE=offline`` (its files under ``run_dir/wandb``).
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -98,7 +102,7 @@ def make_tracker(log_with: str, run_dir: Path, config: dict | None):
 
 class RunLog:
     """Appends namespaced metrics (``reward/mean``, ``loss/policy``, ``stats/clipfrac``, ``eval/…``)
-    to the JSONL files and to the tracker."""
+    to the JSONL files and to the tracker, and keeps the run's clock (:meth:`elapsed`)."""
 
     def __init__(
         self,
@@ -113,6 +117,8 @@ class RunLog:
         if resume_iteration is not None:  # drop lines written after the checkpoint we resume from
             for path in (self.metrics_path, self.timings_path):
                 _truncate_after(path, resume_iteration)
+        self.started = time.time()
+        self.seconds_before = earlier_seconds(self.timings_path) if resume_iteration is not None else 0.0
         self.tracker = make_tracker(log_with, self.run_dir, config)
         with open(self.run_dir / PROVENANCE, "a") as fh:  # one line per start or resume
             cfg = config or {}
@@ -124,7 +130,15 @@ class RunLog:
         """Whether the tracker takes the evaluation grids (wandb does; TensorBoard gets scalars only)."""
         return self.tracker is not None and self.tracker.name == "wandb"
 
+    def elapsed(self) -> float:
+        """Seconds of training of the whole run: this process's since the log opened, plus the earlier
+        processes' up to the iteration it resumed from (:func:`earlier_seconds`)."""
+        return self.seconds_before + time.time() - self.started
+
     def log(self, iteration: int, metrics: dict, timings: dict | None = None) -> None:
+        """One ``metrics.jsonl`` line; with ``timings``, one ``timings.jsonl`` line with ``time/run_s``."""
+        if timings:
+            timings = {**timings, "time/run_s": self.elapsed()}
         with open(self.metrics_path, "a") as fh:
             fh.write(json.dumps({"iteration": iteration, **metrics}, sort_keys=True) + "\n")
         if timings:
@@ -150,6 +164,17 @@ def _truncate_after(path: Path, iteration: int) -> None:
     lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
     kept = [ln for ln in lines if json.loads(ln)["iteration"] <= iteration]
     path.write_text("".join(ln + "\n" for ln in kept))
+
+
+def earlier_seconds(timings_path: Path) -> float:
+    """The run's clock at the last line of ``timings.jsonl`` (``time/run_s``); a run from before that
+    key: the sum of its iterations' seconds (which leaves out its start-up evaluation); 0 without lines."""
+    if not timings_path.exists():
+        return 0.0
+    rows = [json.loads(ln) for ln in timings_path.read_text().splitlines() if ln.strip()]
+    if rows and "time/run_s" in rows[-1]:
+        return float(rows[-1]["time/run_s"])
+    return float(sum(row.get("time/iteration_s", 0.0) for row in rows))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
