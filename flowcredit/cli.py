@@ -3,7 +3,8 @@
 Modules are imported only when their command runs, so ``flowcredit --help`` is instant. A user error
 (:class:`flowcredit.errors.UserError`: a bad config field, file, prompt or reward) is printed as one
 line on stderr with exit status 2; set ``FLOWCREDIT_TRACEBACK=1`` to see its traceback too. Any other
-exception is a bug and shows its traceback.
+exception is a bug and shows its traceback. A ``KeyboardInterrupt`` (a second Ctrl-C, after which
+training has printed what it kept) exits with status 130, the shell's code for SIGINT, quietly.
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"flowcredit {name}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C: the command has said what it kept; no traceback
+        if os.environ.get("FLOWCREDIT_TRACEBACK"):
+            raise
+        return 130
     return int(result or 0)
 
 
