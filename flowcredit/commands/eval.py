@@ -34,7 +34,7 @@ from flowcredit.run.evaluation import (
 from flowcredit.run.policy import apply_trained
 from flowcredit.run.session import build_reward
 from flowcredit.tasks import shapes
-from flowcredit.tasks.prompt_sets import read_prompts
+from flowcredit.tasks.prompt_sets import load_prompt_set
 from flowcredit.validation import validate
 
 
@@ -181,7 +181,8 @@ def main_eval(argv: list[str] | None = None) -> int:
         cfg.reward_options = args.reward_options
     reward = args.reward or ((cfg.eval_reward or cfg.reward) if args.config else "shapes")
     shapes_eval = uses_shapeeval(reward)  # the per-category table needs ShapeEval metadata
-    metas = read_prompts(args.prompts, shapes_eval, "--prompts")[: args.max_prompts]
+    # --max-prompts N: N spread over the set, as a run picks its num_eval_prompts (and audit its prompts)
+    metas = load_prompt_set(args.prompts, args.max_prompts or 0, True, shapes_eval, "--prompts")
     score = evaluate
     if not shapes_eval:
         built = build_reward(cfg, reward, named_only=True)

@@ -10,13 +10,16 @@ docs/algorithms.md §7 has the rule, the tie rule, the stopping rule and the ste
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
+from tqdm import tqdm
 
 from flowcredit.advantages import step_rewards
 from flowcredit.calibration import calibrate, sign_counts
 from flowcredit.errors import UserError
 from flowcredit.rewards.guard import ScoreFn
+from flowcredit.run.progress import progress_bar
 from flowcredit.run.rollout import draw_batch, noise_levels, rollout, seeded, state_values
 from flowcredit.run.session import Session, write_psi
 from flowcredit.sde import SAMPLERS, flow_sde_g
@@ -96,18 +99,23 @@ def calibrate_psi(s: Session) -> torch.Tensor:
         c = sign_counts(last["d"], s.trained)  # the d this round's update decided on
         steps = torch.nonzero(s.trained, as_tuple=True)[0].tolist()
         cells = [f"{i} {psi[i].item():.3f} {c['pos'][i]}/{c['neg'][i]}/{c['ties'][i]}" for i in steps]
-        print(f"calibrate: round {it}: step, new psi, P/Q/ties: {' | '.join(cells)}", flush=True)
+        tqdm.write(f"calibrate: round {it}: step, new psi, P/Q/ties: {' | '.join(cells)}", file=sys.stdout)
+        sys.stdout.flush()
+        bar.update(1)
 
-    res = calibrate(
-        sample_step_rewards,
-        start_psi(s.sigmas, s.trained),
-        s.trained,
-        cfg.calib_eps1,
-        cfg.calib_eps2,
-        cfg.calib_max_iters,
-        progress,
-        min_flips=cfg.calib_flips,
-    )
+    # a bar over the rounds up to the cap; convergence ends it early, at 100 % of the rounds run
+    with progress_bar(cfg.calib_max_iters, "calibrate psi", "round", enabled=s.dist.is_main) as bar:
+        res = calibrate(
+            sample_step_rewards,
+            start_psi(s.sigmas, s.trained),
+            s.trained,
+            cfg.calib_eps1,
+            cfg.calib_eps2,
+            cfg.calib_max_iters,
+            progress,
+            min_flips=cfg.calib_flips,
+        )
+        bar.total = bar.n
     print(
         f"calibrate: {'converged' if res.converged else 'stopped at the cap'} after {res.iterations} rounds"
     )

@@ -14,10 +14,14 @@ import math
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw
+from tqdm import tqdm
 
 from flowcredit.models.protocol import FlowModel
 from flowcredit.rewards import tabulator, uses_shapeeval
+from flowcredit.run.grids import before_after, scored_grid
+from flowcredit.run.grids import frame_strip as frame_strip  # re-exported: its home was this module
+from flowcredit.run.grids import image_grid as image_grid
+from flowcredit.run.progress import progress_bar
 from flowcredit.sde import SAMPLERS
 from flowcredit.tasks import shapes
 
@@ -31,6 +35,7 @@ def sample(
     shift: float | None = None,
     guidance_scale: float | None = None,
     chunk: int = 128,
+    bar: tqdm | None = None,
 ) -> torch.Tensor:
     """Euler ODE sampling from ``noise`` (σ = 1) to images, in chunks of ``chunk`` prompts.
 
@@ -39,6 +44,7 @@ def sample(
             ``(B, C, F, H, W)``).
         num_steps, shift, guidance_scale: default to the model's ``num_steps``, ``shift`` and
             ``guidance_scale``.
+        bar: a progress bar advanced by each chunk's samples (:func:`flowcredit.run.progress.progress_bar`).
     Returns:
         ``model.decode``'s output: images ``(B, 3, H, W)`` or clips ``(B, F, 3, H, W)``, float32 in [0, 1].
     """
@@ -58,6 +64,8 @@ def sample(
                 sigma = sig[i].expand(x.shape[0])  # (b,)
                 x = ode(model.velocity(x, sigma, cond), x, sigma, sig[i + 1].expand(x.shape[0])).x_next
             out.append(model.decode(x).cpu())
+            if bar is not None:
+                bar.update(x.shape[0])
     finally:
         model.guidance_scale = saved
     return torch.cat(out)
@@ -68,13 +76,13 @@ def initial_noise(n: int, latent_shape: tuple[int, ...], seed: int) -> torch.Ten
     return torch.randn((n, *latent_shape), generator=torch.Generator().manual_seed(seed))
 
 
-def sample_prompts(model, metas, seed, samples_per_prompt, num_steps, shift, guidance_scale, chunk):
+def sample_prompts(model, metas, seed, samples_per_prompt, num_steps, shift, guidance_scale, chunk, bar=None):
     """``samples_per_prompt`` ODE samples of every prompt of ``metas`` (prompt-major), initial noise from
-    ``seed``: ``(rows: metas per sample, prompts, images (P·k, 3, H, W))``."""
+    ``seed``: ``(rows: metas per sample, prompts, images (P·k, 3, H, W))``; ``bar`` counts the samples."""
     rows = [m for m in metas for _ in range(samples_per_prompt)]
     prompts = [m["prompt"] for m in rows]
     noise = initial_noise(len(rows), tuple(model.latent_shape), seed).to(_device(model))
-    return rows, prompts, sample(model, prompts, noise, num_steps, shift, guidance_scale, chunk)
+    return rows, prompts, sample(model, prompts, noise, num_steps, shift, guidance_scale, chunk, bar)
 
 
 def evaluate(
@@ -87,27 +95,29 @@ def evaluate(
     guidance_scale: float | None = None,
     chunk: int = 128,
     return_images: bool = False,
+    progress: bool | str = True,
 ) -> dict:
     """ShapeEval of ``model`` on prompts ``metas`` with fixed initial noise.
 
-    Every prompt is sampled ``samples_per_prompt`` times (prompt-major order).
+    Every prompt is sampled ``samples_per_prompt`` times (prompt-major order). ``progress``: a
+    progress bar on stderr over the samples, labelled ``eval seed <seed>`` (True) or with the string
+    given; False: none.
     Returns:
         ``{"table": evaluation_table (per category + "overall", soft and strict), "prompts": [str],
         "soft": [float], "strict": [float]}`` and ``"images" (P·k, 3, H, W)`` if ``return_images``.
     """
-    rows, prompts, images = sample_prompts(
-        model, metas, seed, samples_per_prompt, num_steps, shift, guidance_scale, chunk
-    )
-    scores = shapes.score_images(images, rows)
-    out = {
-        "table": shapes.evaluation_table(scores["soft"], scores["strict"], scores["category"]),
-        "prompts": prompts,
-        "soft": scores["soft"].tolist(),
-        "strict": scores["strict"].tolist(),
-    }
-    if return_images:
-        out["images"] = images
-    return out
+
+    def score(images, prompts, rows):
+        scores = shapes.score_images(images, rows)
+        return {
+            "table": shapes.evaluation_table(scores["soft"], scores["strict"], scores["category"]),
+            "prompts": prompts,
+            "soft": scores["soft"].tolist(),
+            "strict": scores["strict"].tolist(),
+        }
+
+    settings = (seed, samples_per_prompt, num_steps, shift, guidance_scale, chunk)
+    return _sampled_and_scored(model, metas, settings, score, return_images, progress)
 
 
 def evaluate_reward(
@@ -121,27 +131,41 @@ def evaluate_reward(
     guidance_scale: float | None = None,
     chunk: int = 128,
     return_images: bool = False,
+    progress: bool | str = True,
 ) -> dict:
     """:func:`evaluate` for any reward ``reward(images, prompts, metas) -> (M,)`` (a registry reward, a
     mix, ``pkg.mod:fn``): the same fixed noise and prompt-major order; the table has one row,
     ``overall`` (``soft`` = the mean reward; ``strict`` is NaN: no pass/fail), unless the reward has a
     per-tag table (``geneval``: per tag and overall, soft = partial, strict = GenEval's score)."""
-    rows, prompts, images = sample_prompts(
-        model, metas, seed, samples_per_prompt, num_steps, shift, guidance_scale, chunk
-    )
     tabulate = tabulator(reward)
-    if tabulate is not None:  # a reward with a per-tag table (geneval): soft = its partial score
-        scores = tabulate(images, prompts, rows)
-        table = shapes.evaluation_table(scores["soft"], scores["strict"], scores["category"])
-        out = {"table": table, "prompts": prompts, "soft": scores["soft"], "strict": scores["strict"]}
-        return {**out, "images": images} if return_images else out
-    scores = reward(images, prompts, rows)  # (P·k,)
-    out = {
-        "table": {"overall": {"n": len(rows), "soft": scores.mean().item(), "strict": math.nan}},
-        "prompts": prompts,
-        "soft": scores.tolist(),
-        "strict": [math.nan] * len(rows),
-    }
+
+    def score(images, prompts, rows):
+        if tabulate is not None:  # a reward with a per-tag table (geneval): soft = its partial score
+            scores = tabulate(images, prompts, rows)
+            table = shapes.evaluation_table(scores["soft"], scores["strict"], scores["category"])
+            return {"table": table, "prompts": prompts, "soft": scores["soft"], "strict": scores["strict"]}
+        scores = reward(images, prompts, rows)  # (P·k,)
+        return {
+            "table": {"overall": {"n": len(rows), "soft": scores.mean().item(), "strict": math.nan}},
+            "prompts": prompts,
+            "soft": scores.tolist(),
+            "strict": [math.nan] * len(rows),
+        }
+
+    settings = (seed, samples_per_prompt, num_steps, shift, guidance_scale, chunk)
+    return _sampled_and_scored(model, metas, settings, score, return_images, progress)
+
+
+def _sampled_and_scored(model, metas, settings: tuple, score, return_images: bool, progress: bool | str):
+    """Sample every prompt of ``metas`` (``settings``: seed, samples per prompt, steps, shift, guidance,
+    chunk), then ``score(images, prompts, rows) -> dict``; with ``progress``, a bar over the samples
+    that says when the scoring runs."""
+    seed, k, steps, shift, guidance, chunk = settings
+    label = progress if isinstance(progress, str) else f"eval seed {seed}"
+    with progress_bar(len(metas) * k, label, "sample", enabled=bool(progress)) as bar:
+        rows, prompts, images = sample_prompts(model, metas, seed, k, steps, shift, guidance, chunk, bar)
+        bar.set_description(f"{label}: scoring", refresh=True)
+        out = score(images, prompts, rows)
     return {**out, "images": images} if return_images else out
 
 
@@ -165,49 +189,6 @@ def seed_summary(tables: list[dict]) -> dict:
     return out
 
 
-def frame_strip(clips: torch.Tensor, max_frames: int = 8) -> torch.Tensor:
-    """Video clips ``(B, F, 3, H, W)`` → one image per clip, ``min(F, max_frames)`` frames evenly spread
-    from the first to the last, side by side: ``(B, 3, H, F'·W)``. Images ``(B, 3, H, W)`` pass
-    through unchanged."""
-    if clips.ndim == 4:
-        return clips
-    f = clips.shape[1]
-    picks = torch.linspace(0, f - 1, min(f, max_frames)).round().long().unique()  # (F',)
-    return torch.cat(clips[:, picks].unbind(dim=1), dim=-1)
-
-
-def image_grid(
-    images: torch.Tensor, captions: list[str], ncols: int, scale: int = 3, marks: list[float] | None = None
-) -> Image.Image:
-    """Rows of ``ncols`` images, each row headed by its caption; optional green/red frame per image.
-
-    Args:
-        images: ``(R·ncols, 3, H, W)`` in [0, 1], or video clips ``(R·ncols, F, 3, H, W)`` (each shown as
-            a strip of its frames, :func:`frame_strip`); captions: ``R`` strings; marks: ``R·ncols``
-            values, 1 → green frame (strict pass), 0 → red.
-        scale: pixel zoom of small images; never past 128 px of height (large images are shown at 1).
-    """
-    images = frame_strip(images)
-    n, _, H, W = images.shape
-    scale = max(1, min(scale, 128 // H))
-    rows, pad, text_h = len(captions), 4, 14
-    cell_h, cell_w = H * scale, W * scale
-    grid = Image.new("RGB", (ncols * (cell_w + pad) + pad, rows * (cell_h + pad + text_h) + pad), "white")
-    draw = ImageDraw.Draw(grid)
-    pixels = (images.clamp(0, 1).permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8)
-    for i in range(min(n, rows * ncols)):
-        r, c = divmod(i, ncols)
-        x, y = pad + c * (cell_w + pad), pad + r * (cell_h + pad + text_h) + text_h
-        if c == 0:
-            draw.text((pad, y - text_h + 1), captions[r], fill="black")
-        tile = Image.fromarray(pixels[i]).resize((cell_w, cell_h), Image.NEAREST)
-        grid.paste(tile, (x, y))
-        if marks is not None:
-            color = (40, 170, 60) if marks[i] >= 1.0 else (210, 50, 50)
-            draw.rectangle([x - 1, y - 1, x + cell_w, y + cell_h], outline=color)
-    return grid
-
-
 def _eval_tables(s, metas: list[dict], seed: int, images: bool = False) -> dict:
     """ShapeEval tables (``shapes`` reward) or the mean evaluation reward (``eval_reward``, else the
     training one), ODE sampler with ``eval_num_steps`` / ``eval_guidance_scale`` (0: training's), fixed
@@ -226,10 +207,11 @@ def _eval_tables(s, metas: list[dict], seed: int, images: bool = False) -> dict:
                 shift=cfg.shift,
                 guidance_scale=guidance,
                 return_images=images,
+                progress=False,  # the training bar is on the screen
             )
         reward = s.eval_reward or s.reward
         return evaluate_reward(
-            s.model, metas, reward, seed, k, steps, cfg.shift, guidance, cfg.batch_size, images
+            s.model, metas, reward, seed, k, steps, cfg.shift, guidance, cfg.batch_size, images, False
         )
 
 
@@ -238,8 +220,10 @@ def evaluate_policy(s, tag: str | None, grids: dict | None = None) -> dict:
     ``flowcredit.run.session.Session``) with the ODE sampler and fixed noise.
 
     ``tag`` names the image grids saved in the run directory (``grid_<tag>_<set>.png``); ``"start"``
-    also measures the noise floor (std over 3 noise seeds), kept in ``s.history``. ``grids``, if
-    given, receives each set's grid as ``{"eval/<set>": PIL image}`` (for a tracker), tag or not.
+    also measures the noise floor (std over 3 noise seeds), kept in ``s.history``; ``"after"`` (the
+    end of the run) also writes ``grid_before_after_<set>.png``, the start's grid beside the end's.
+    ``grids``, if given, receives each set's grid as ``{"eval/<set>": PIL image}`` (for a tracker), tag
+    or not. Each grid frames a sample green (strict pass) or red and prints its soft score under it.
     """
     out = {}
     sets = {"test": s.eval_metas}
@@ -255,11 +239,7 @@ def evaluate_policy(s, tag: str | None, grids: dict | None = None) -> dict:
             if name == "test" and cat != "overall" and len(res["table"]) > 2:
                 out[f"eval/test/{cat}/soft"], out[f"eval/test/{cat}/strict"] = row["soft"], row["strict"]
         if tag is not None or grids is not None:
-            grid = _grid(s, res, metas)
-            if tag is not None and s.dist.is_main:  # FSDP: every rank evaluates, rank 0 writes
-                grid.save(s.run_dir / f"grid_{tag}_{name}.png")
-            if grids is not None:
-                grids[f"eval/{name}"] = grid
+            _save_grid(s, tag, name, res, metas, grids)
         if tag == "start":
             floors = [_eval_tables(s, metas, s.cfg.eval_seed + k)["table"]["overall"]["soft"] for k in (1, 2)]
             spread = torch.tensor([overall["soft"], *floors])
@@ -268,9 +248,37 @@ def evaluate_policy(s, tag: str | None, grids: dict | None = None) -> dict:
     return out
 
 
-def _grid(s, res: dict, metas: list[dict]):
-    """The first 8 prompts' samples of an evaluation as one captioned PIL image."""
+GRID_PROMPTS = 8
+"""Prompts (the set's first) shown in a run's evaluation grids."""
+
+WHEN = {"start": "before training", "after": "after training"}
+"""The title of a grid by its tag (other tags and none: "during training")."""
+
+
+def _save_grid(s, tag: str | None, name: str, res: dict, metas: list[dict], grids: dict | None) -> None:
+    """The grid of set ``name``'s evaluation ``res``: ``grid_<tag>_<name>.png`` (rank 0; and at
+    ``"after"`` the before/after pair), and into ``grids`` for a tracker."""
+    grid = _grid(s, res, metas, f"{WHEN.get(tag, 'during training')}, {name} prompts")
+    if tag is not None and s.dist.is_main:  # FSDP: every rank evaluates, rank 0 writes
+        grid.save(s.run_dir / f"grid_{tag}_{name}.png")
+        if tag == "after":
+            before_after(s.run_dir, name, grid)
+    if grids is not None:
+        grids[f"eval/{name}"] = grid
+
+
+def _grid(s, res: dict, metas: list[dict], when: str):
+    """The first :data:`GRID_PROMPTS` prompts' samples of an evaluation as one captioned PIL image, its
+    title ``when`` with the set's scores."""
     k = s.cfg.eval_samples_per_prompt
-    n = min(len(metas), 8)
-    rows = torch.tensor([i * k + j for i in range(n) for j in range(k)])
-    return image_grid(res["images"][rows], [m["prompt"] for m in metas[:n]], k)
+    n = min(len(metas), GRID_PROMPTS)
+    rows = [i * k + j for i in range(n) for j in range(k)]
+    overall = res["table"]["overall"]
+    score = "soft" if uses_shapeeval(s.cfg.eval_reward or s.cfg.reward) else "mean reward"
+    title = f"{when}: {score} {overall['soft']:.3f}"
+    if not math.isnan(overall["strict"]):
+        title += f", strict {overall['strict']:.3f}"
+    title += f" ({len(metas)} prompts x {k}, first {n} shown)"
+    soft, strict = [res["soft"][i] for i in rows], [res["strict"][i] for i in rows]
+    captions = [m["prompt"] for m in metas[:n]]
+    return scored_grid(res["images"][torch.tensor(rows)], captions, soft, strict, title)
