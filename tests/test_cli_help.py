@@ -163,3 +163,16 @@ def test_bench_progress_bar_names_each_run_and_ends_full(capsys, tmp_path, monke
     assert done[("tp_grpo", 1)] == tmp_path / "tp_grpo-seed1" and len(done) == 4
     err = capsys.readouterr().err
     assert "bench tp_grpo seed 1" in err and "100%" in err and "4/4" in err
+
+
+def test_demo_takes_both_spellings_of_run_dir_and_has_help(capsys):
+    """``demo --run-dir X`` is the run directory (not overridden by the fresh runs/demo-<time>)."""
+    from flowcredit.commands.demo import _parser
+
+    for flag in ("--run-dir", "--run_dir"):
+        _, overrides = _parser().parse_with_overrides([flag, "runs/x", "--iterations", "2"])
+        assert overrides[::2] == ["--run_dir", "--iterations"] and overrides[1] == "runs/x"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["demo", "--help"])
+    assert exit_.value.code == 0
+    assert "--group_size" in capsys.readouterr().out

@@ -28,7 +28,7 @@ PARSERS = {
     "bench": "flowcredit.commands.bench:_parser",
     "audit": "flowcredit.commands.audit:_parser",
     "serve-reward": "flowcredit.rewards.server:_parser",
-    "demo": None,  # its arguments are config fields, as train's
+    "demo": "flowcredit.commands.demo:_parser",
 }
 """Each command's parser (None: the command takes config fields only)."""
 

@@ -8,13 +8,24 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from flowcredit.cli_args import ArgParser, add_config_fields
 from flowcredit.config import Config
 from flowcredit.presets import load_config
 
 
+def _parser() -> ArgParser:
+    p = ArgParser(
+        prog="flowcredit demo",
+        description="Fine-tune the shipped tiny model on the CPU with the demo preset (make demo). Any "
+        "config field overrides the preset; --run_dir defaults to a fresh runs/demo-<time>.",
+    )
+    add_config_fields(p)
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    overrides = list(argv or [])
-    if "--run_dir" not in overrides:
+    _, overrides = _parser().parse_with_overrides(list(argv or []))
+    if "--run_dir" not in overrides[::2]:
         overrides += ["--run_dir", time.strftime("runs/demo-%Y%m%d-%H%M%S")]
     cfg = load_config("demo", None, overrides)
     print(

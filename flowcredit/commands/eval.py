@@ -165,7 +165,7 @@ def _eval_parser() -> ArgParser:
     p.add_argument("--reward_options", default=None, help="JSON of per-reward options, as the trainer's")
     p.add_argument("--seeds", default="0", help="comma-separated noise seeds, e.g. 0,1,2")
     p.add_argument("--samples-per-prompt", type=int, default=4, help="samples per prompt (default 4)")
-    p.add_argument("--max-prompts", type=int, default=None, help="evaluate only the first N prompts")
+    p.add_argument("--max-prompts", type=int, default=None, help="N prompts spread over the set (0: all)")
     p.add_argument("--out", default=None, help="directory for eval.json and grid.png")
     p.add_argument("--grid-prompts", type=int, default=12, help="prompts shown in grid.png")
     return p
