@@ -1,6 +1,6 @@
 """The credit audit's tables in README.md and docs/benchmarks.md are rendered from the published
 ``audit.json`` files by benchmarks/audit/audit_tables.py, never typed by hand: each table follows a
-marker ``<!-- audit-table: FOLDER -->`` (one checkpoint) or ``<!-- audit-compare: LABEL=FOLDER ... -->``
+marker ``<!-- audit-table: FOLDER -->`` (one checkpoint) or ``<!-- audit-compare: LABEL=FOLDER; ... -->``
 (the README's comparison), FOLDER under benchmarks/results/audit/."""
 
 import importlib.util
@@ -38,7 +38,7 @@ def test_an_audit_table_in_the_docs_is_the_rendered_one(doc, kind, args, after):
     if kind == "table":
         expected = tables.checkpoint_table(tables.load(AUDITS / args))
     else:
-        pairs = [a.split("=", 1) for a in args.split()]
+        pairs = [a.strip().split("=", 1) for a in args.split(";")]
         expected = tables.compare_table({label: tables.load(AUDITS / folder) for label, folder in pairs})
     shown = after[: len(expected) + 1]
     assert shown == expected + "\n", f"{doc}: rerun benchmarks/audit/audit_tables.py for {args}"
