@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config("demo", None, overrides)
     print(
         f"flowcredit demo: {cfg.credit} with LoRA r={cfg.lora_rank} on the built-in model, "
-        f"{cfg.iterations} iterations, outputs in {cfg.run_dir}/",
+        f"{cfg.iterations} iteration{'' if cfg.iterations == 1 else 's'}, outputs in {cfg.run_dir}/",
         flush=True,
     )
     from flowcredit.train import train
