@@ -201,6 +201,29 @@ class Config:
     """Write a checkpoint every k iterations."""
     snapshot_every: int = 0
     """Keep the exported weights every k iterations in run_dir/snapshots/iteration-K (0: none)."""
+    # --- the reward-hacking guard (docs/guard.md) ---
+    guard: str = "off"
+    """On an alarm at an evaluation: 'warn' (log, mark), 'stop', 'rollback' (to best/); 'off': no signals."""
+    guard_monitors: str = ""
+    """Comma list of rewards scored on the held-out samples, never trained on; the first chooses best/."""
+    guard_noise_mult: float = 2.0
+    """A monitor alarm needs a fall of more than this many noise floors (the start's) below its best."""
+    guard_diversity_frac: float = 0.5
+    """Diversity alarm below this fraction of its start (spread of a prompt's samples); 0: off."""
+    guard_saturation_delta: float = 0.15
+    """Saturation alarm when the mean HSV saturation moves further than this from its start; 0: off."""
+    guard_histogram_tv: float = 0.25
+    """Colour alarm when the colour histogram's total-variation distance from the start's passes this."""
+    guard_high_freq_ratio: float = 2.0
+    """Artefact alarm when the high-frequency energy share passes this multiple of its start; 0: off."""
+    guard_drift_max: float = 0.0
+    """Drift alarm when the trained weights' relative distance from the start passes this; 0: off."""
+    guard_lr_scale: float = 0.5
+    """rollback: the learning rate is multiplied by this at each rollback."""
+    guard_beta_scale: float = 1.0
+    """rollback: β is multiplied by this at each rollback (other than 1: needs beta > 0)."""
+    guard_max_rollbacks: int = 3
+    """rollback: after this many rollbacks, the next alarm stops the run."""
     # --- scale-out: tracker, memory, compilation (docs/gpu.md) ---
     log_with: str = "tensorboard"
     """Tracker beside metrics.jsonl (always written): 'tensorboard' (run_dir/tb), 'wandb' (scalars,

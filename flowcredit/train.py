@@ -35,6 +35,7 @@ from flowcredit.rewards.guard import ScoreFn
 from flowcredit.run.calibrate import ensure_psi
 from flowcredit.run.evaluation import evaluate_policy
 from flowcredit.run.forward_update import forward_update, step_old_policy
+from flowcredit.run.guard_plot import plot_guard
 from flowcredit.run.micro_batches import UpdateStats, micro_batches, param_spread
 from flowcredit.run.outputs import export_final, final_artifacts, run_label, start_notes
 from flowcredit.run.plans import iteration_plan, levels_of, sample
@@ -253,11 +254,16 @@ def evaluated(s: Session, log: RunLog | None, iteration: int, tag: str | None) -
     return scores
 
 
-def end_iteration(s: Session, log: RunLog | None, metrics: dict, done: int, last: bool, t0: float):
-    """Evaluate (rank 0; FSDP: every rank, its passes are collectives), log (rank 0) and save."""
+def end_iteration(s: Session, log: RunLog | None, metrics: dict, done: int, last: bool, t0: float) -> bool:
+    """Evaluate (rank 0; FSDP: every rank, its passes are collectives), let the guard act, log (rank 0)
+    and save. Returns whether the run ends here (``last``, or the guard stopped it)."""
     cfg = s.cfg
-    if (s.dist.is_main or s.dist.sharded) and ((cfg.eval_every and done % cfg.eval_every == 0) or last):
+    evaluating = (cfg.eval_every and done % cfg.eval_every == 0) or last
+    if (s.dist.is_main or s.dist.sharded) and evaluating:
         metrics.update(evaluated(s, log, done, "after" if last else None))
+    if s.guard is not None and evaluating:  # every rank: rank 0's decision is shared
+        metrics.update(s.guard.act(s, done))
+        last = last or bool(s.guard.stopped)
     if log is not None:
         timings = {k: metrics.pop(k) for k in [k for k in metrics if k.startswith("time/")]}
         log.log(done, metrics, {"time/iteration_s": time.time() - t0, **timings})
@@ -265,6 +271,7 @@ def end_iteration(s: Session, log: RunLog | None, metrics: dict, done: int, last
         s.save(done)  # rank 0 writes (FSDP: every rank gathers)
     if cfg.snapshot_every and done % cfg.snapshot_every == 0 and not last:  # final/ holds the last
         export_final(s, s.run_dir / "snapshots" / f"iteration-{done:04d}")
+    return last
 
 
 def train(
@@ -292,9 +299,12 @@ def train(
             return {}
         if main:
             plot_curves(s.run_dir)
+            if s.guard is not None:
+                plot_guard(s.run_dir)
         early = None  # a run cut short is not the run of its settings: the summary says so
         if done < cfg.iterations:
             early = "Ctrl-C" if stop.ctrl_c else f"max_minutes={cfg.max_minutes:g}"
+            early = s.guard.stopped if s.guard is not None and s.guard.stopped else early
         elapsed = log.elapsed() if log is not None else time.time() - t_start  # all processes'
         return final_artifacts(s, elapsed, early)  # FSDP: every rank gathers, rank 0 writes
 
@@ -304,8 +314,10 @@ def run_iterations(s: Session, log: RunLog | None, stop: StopRequests, t_start: 
     stop (Ctrl-C, ``max_minutes``); returns the number of iterations done. The progress bar ends at
     100 %, or says where the run stopped."""
     cfg, main = s.cfg, s.dist.is_main
-    if s.start_iteration == 0 and (main or s.dist.sharded):
-        scores = evaluated(s, log, 0, "start")
+    if s.start_iteration == 0:
+        scores = evaluated(s, log, 0, "start") if main or s.dist.sharded else {}
+        if s.guard is not None:  # the start's signals are the references; best/ starts here
+            scores |= s.guard.act(s, 0)
         if main:
             log.log(0, scores)
     label, done = f"train {run_label(cfg)}", s.start_iteration
@@ -325,7 +337,7 @@ def run_iterations(s: Session, log: RunLog | None, stop: StopRequests, t_start: 
             out_of_time = bool(cfg.max_minutes) and (time.time() - t_start) / 60 >= cfg.max_minutes
             stopping = done == cfg.iterations or stop.ctrl_c or out_of_time
             last = s.dist.sum_(torch.tensor(float(stopping))).item() > 0  # any rank stopping stops all
-            end_iteration(s, log, metrics, done, last, t0)
+            last = end_iteration(s, log, metrics, done, last, t0)
             bar.update(1)
             if main:
                 bar.set_postfix({"reward": f"{metrics['reward/mean']:.3f}"})

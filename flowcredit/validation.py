@@ -15,8 +15,10 @@ from pathlib import Path
 from flowcredit.advantages import CREDITS
 from flowcredit.config import LOG_WITH, LORA_FORWARDS, TRAIN_PARAMS, Config, parse_value, trained_window
 from flowcredit.errors import ConfigError, UserError
+from flowcredit.guard import GUARD_ACTIONS
 from flowcredit.losses import KL_MODES
 from flowcredit.models.registry import MODELS, VIDEO_MODELS, check_num_frames, is_model_spec
+from flowcredit.rewards import REWARDS, parse_mix
 from flowcredit.sde import LOGP_MODES, SAMPLER_ENTRIES
 from flowcredit.step_schedules import STEP_SCHEDULES
 from flowcredit.step_schedules import resolve_options as resolve_schedule_options
@@ -288,7 +290,37 @@ def validate(cfg: Config) -> Config:
     )
     _check_video_and_eval(cfg)
     _check_scale_out(cfg)
+    _check_guard(cfg)
     return cfg
+
+
+def _check_guard(cfg: Config) -> None:
+    """The reward-hacking guard's fields (docs/guard.md)."""
+    _check(cfg.guard in GUARD_ACTIONS, "guard", f"{cfg.guard!r} is not one of {GUARD_ACTIONS}")
+    trained = parse_mix(cfg.reward) if cfg.guard != "off" else {}
+    for name in [m.strip() for m in cfg.guard_monitors.split(",") if m.strip()]:
+        _check(
+            name in REWARDS or ":" in name,
+            "guard_monitors",
+            f"{name!r} is no registered reward ({', '.join(sorted(REWARDS))}) nor 'pkg.mod:fn'",
+        )
+        _check(name not in trained, "guard_monitors", f"{name!r} is trained on (reward {cfg.reward!r})")
+    for name in ("guard_noise_mult", "guard_diversity_frac", "guard_saturation_delta", "guard_histogram_tv"):
+        _check(getattr(cfg, name) >= 0, name, "must be >= 0 (0: off)")
+    for name in ("guard_high_freq_ratio", "guard_drift_max", "guard_max_rollbacks"):
+        _check(getattr(cfg, name) >= 0, name, "must be >= 0 (0: off)")
+    _check(0 < cfg.guard_lr_scale <= 1, "guard_lr_scale", "must be in (0, 1]")
+    _check(cfg.guard_beta_scale >= 1, "guard_beta_scale", "must be >= 1 (a rollback never loosens the KL)")
+    _check(
+        cfg.guard_beta_scale == 1 or cfg.beta > 0,
+        "guard_beta_scale",
+        "scales β, which is 0 here (the run keeps no reference policy): set beta > 0 or leave it at 1",
+    )
+    _check(
+        cfg.guard == "off" or not cfg.guard_diversity_frac or cfg.eval_samples_per_prompt >= 2,
+        "guard_diversity_frac",
+        "measures the spread of a prompt's samples: needs eval_samples_per_prompt >= 2 (or 0: off)",
+    )
 
 
 def _check_video_and_eval(cfg: Config) -> None:

@@ -46,22 +46,34 @@ def save_checkpoint(
     ema: dict | None,
     extra: dict,
     old: dict | None = None,
+    name: str = "checkpoint",
 ) -> Path:
-    """Write ``run_dir/checkpoint`` atomically and return its path (``old``: the old policy of a
+    """Write ``run_dir/<name>`` atomically and return its path (``old``: the old policy of a
     forward-process update rule, beside the EMA)."""
-    run_dir = Path(run_dir)
-    final, tmp, previous = run_dir / "checkpoint", run_dir / "checkpoint.tmp", run_dir / "checkpoint.old"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = fresh_dir(Path(run_dir) / f"{name}.tmp")
     save_file({k: v.cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
     opt_tensors, opt_meta = flatten_optimizer(optimizer)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    for name, shadow in (("ema", ema), ("old", old)):
+    for kind, shadow in (("ema", ema), ("old", old)):
         if shadow is not None:
-            save_file({k: v.cpu().contiguous() for k, v in shadow.items()}, str(tmp / f"{name}.safetensors"))
+            save_file({k: v.cpu().contiguous() for k, v in shadow.items()}, str(tmp / f"{kind}.safetensors"))
     meta = {"iteration": iteration, "optimizer": opt_meta, **extra}
     (tmp / "state.json").write_text(json.dumps(meta, indent=1))
+    return swap_in(tmp, Path(run_dir) / name)
+
+
+def fresh_dir(tmp: Path) -> Path:
+    """``tmp`` made empty (a leftover of a write cut short is removed)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def swap_in(tmp: Path, final: Path) -> Path:
+    """Replace folder ``final`` by the complete folder ``tmp`` (its files fsync'ed first) by renames:
+    the previous one survives as ``<final>.old`` until the new one is in place."""
     _fsync_dir(tmp)
+    previous = final.with_name(final.name + ".old")
     if final.exists():
         shutil.rmtree(previous, ignore_errors=True)
         os.replace(final, previous)
@@ -71,9 +83,10 @@ def save_checkpoint(
 
 
 def _fsync_dir(path: Path) -> None:
-    for f in path.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    for f in path.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
 
 
 def find_checkpoint(run_dir: Path) -> Path | None:

@@ -229,8 +229,10 @@ def evaluate_policy(s, tag: str | None, grids: dict | None = None) -> dict:
     sets = {"test": s.eval_metas}
     if len(s.train_metas) <= 32:  # a small training set is evaluated too (did the trained prompts improve?)
         sets["train"] = s.train_metas
+    guard = getattr(s, "guard", None)
     for name, metas in sets.items():
-        res = _eval_tables(s, metas, s.cfg.eval_seed, images=tag is not None or grids is not None)
+        guarded = guard is not None and name == "test"  # the guard measures the held-out samples
+        res = _eval_tables(s, metas, s.cfg.eval_seed, images=tag is not None or grids is not None or guarded)
         overall = res["table"]["overall"]
         out[f"eval/{name}/soft"] = overall["soft"]
         if not math.isnan(overall["strict"]):  # only ShapeEval has a pass/fail (NaN is not JSON)
@@ -240,11 +242,14 @@ def evaluate_policy(s, tag: str | None, grids: dict | None = None) -> dict:
                 out[f"eval/test/{cat}/soft"], out[f"eval/test/{cat}/strict"] = row["soft"], row["strict"]
         if tag is not None or grids is not None:
             _save_grid(s, tag, name, res, metas, grids)
+        others = []  # at the start: the other two noise seeds' evaluations (the noise floor)
         if tag == "start":
-            floors = [_eval_tables(s, metas, s.cfg.eval_seed + k)["table"]["overall"]["soft"] for k in (1, 2)]
-            spread = torch.tensor([overall["soft"], *floors])
+            others = [_eval_tables(s, metas, s.cfg.eval_seed + k, images=guarded) for k in (1, 2)]
+            spread = torch.tensor([overall["soft"], *(o["table"]["overall"]["soft"] for o in others)])
             s.history[f"floor/{name}/soft"] = spread.std(unbiased=False).item()
             out[f"eval/{name}/floor_soft"] = s.history[f"floor/{name}/soft"]
+        if guarded:
+            out |= guard.measure(s, res["images"], metas, [o["images"] for o in others])
     return out
 
 

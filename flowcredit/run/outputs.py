@@ -25,6 +25,10 @@ def final_artifacts(s, elapsed: float, stopped_early: str | None = None) -> dict
     summary = run_summary(s, elapsed)
     if stopped_early:
         summary["stopped_early"] = {"by": stopped_early, "iterations": s.cfg.iterations}
+    if s.guard is not None:  # what the reward-hacking guard saw (docs/guard.md)
+        st = s.guard.state
+        summary["guard"] = {"action": s.cfg.guard, "best": st["best"], "alarms": st["alarms"]}
+        summary["guard"]["rollbacks"] = st["rollbacks"]
     (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary, run_label(s.cfg), str(s.run_dir)))
     return summary
@@ -103,11 +107,20 @@ def format_summary(summary: dict, label: str, run_dir: str) -> str:
                 f"  eval {name:>5} ({score}, ODE, fixed noise): before {e['before']:.3f} → after "
                 f"{e['after']:.3f} (best {e['best']:.3f}); noise floor ±{e['noise_floor']:.3f}"
             )
+    guard = summary.get("guard")
+    if guard is not None:
+        alarms, best = guard["alarms"], guard["best"] or {}
+        when = f"alarms at iterations {', '.join(str(a[0]) for a in alarms)}" if alarms else "no alarm"
+        lines.append(
+            f"  guard ({guard['action']}): {when}; {guard['rollbacks']} rollbacks; best/ is iteration "
+            f"{best.get('iteration')} by {best.get('by')} ({best.get('score', math.nan):.3f})"
+        )
     if "stopped_early" in summary:
         early = summary["stopped_early"]
         lines.append(
             f"  stopped early by {early['by']} after {summary['iterations']} of {early['iterations']} "
             "iterations: this is not the full run of these settings (continue it with --resume)"
         )
-    lines.append(f"  outputs in {run_dir}/ (metrics.jsonl, reward_curve.png, grid_*.png, final/)")
+    folders = "final/, best/" if guard is not None else "final/"
+    lines.append(f"  outputs in {run_dir}/ (metrics.jsonl, reward_curve.png, grid_*.png, {folders})")
     return "\n".join(lines)

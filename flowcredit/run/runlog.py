@@ -208,6 +208,9 @@ def plot_curves(run_dir: Path) -> Path:
         ax.plot(*zip(*evals_train), "o-", label="eval: trained prompts (ODE, fixed noise)")
     if evals:
         ax.plot(*zip(*evals), "s-", label="eval: held-out prompts (ODE, fixed noise)")
+    alarms = [r["iteration"] for r in rows if r.get("guard/alarm")]
+    for k, it in enumerate(alarms):  # the reward-hacking guard's alarms (docs/guard.md)
+        ax.axvline(it, color="red", ls="--", lw=0.8, alpha=0.7, label="guard alarm" if k == 0 else None)
     ax.set_xlabel("iteration")
     ax.set_ylabel("ShapeEval soft score")
     ax.grid(alpha=0.3)

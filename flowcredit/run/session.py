@@ -25,6 +25,7 @@ from flowcredit.models.registry import apply_text_length
 from flowcredit.rewards import Reward, check_metadata, get_reward, parse_mix, uses_shapeeval
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from flowcredit.run.distributed import Dist
+from flowcredit.run.guard import Guard
 from flowcredit.run.lora_compose import compose_lora, lora_forwards, sampling_copies
 from flowcredit.run.policy import EMA, Policy
 from flowcredit.run.rollout import Batch, draw_batch, noise_levels
@@ -63,6 +64,8 @@ class Session:
     """Whether the rollout runs the LoRA layers on a copy of their composed weights (lora_forwards)."""
     start_iteration: int = 0
     history: dict = field(default_factory=dict)
+    guard: Guard | None = None
+    """The reward-hacking guard (``cfg.guard`` other than 'off'; docs/guard.md)."""
 
     @property
     def step_fn(self) -> StepFn:
@@ -157,9 +160,10 @@ class Session:
     def guidance_passes(self) -> int:
         return self.model.guidance_passes
 
-    def save(self, iteration: int) -> None:
-        """Atomic checkpoint of everything a resume needs, written by rank 0. Under FSDP every rank
-        calls it (the full tensors are gathered collectively); the files are a 1-process run's."""
+    def save(self, iteration: int, folder: Path | None = None) -> None:
+        """Atomic checkpoint of everything a resume needs (``run_dir/checkpoint``, or ``folder``), written
+        by rank 0. Under FSDP every rank calls it (the full tensors are gathered collectively); the files
+        are a 1-process run's."""
         if not (self.dist.is_main or self.dist.sharded):
             return
         ema, old = (
@@ -173,19 +177,30 @@ class Session:
         if not self.dist.is_main:
             return
         extra = {"psi": None if self.psi is None else self.psi.tolist(), "history": self.history}
+        folder = folder or self.run_dir / "checkpoint"
         save_checkpoint(
-            self.run_dir,
+            folder.parent,
             iteration=iteration,
             trainable=trainable,
             optimizer=optimizer,
             ema=ema,
             extra=extra,
             old=old,
+            name=folder.name,
         )
 
     def restore(self, state: dict) -> None:
-        """Load a checkpoint (full tensors, read by every rank) into the prepared network, optimizer
-        and EMA: each rank keeps its shards under FSDP."""
+        """Load a checkpoint into the training state (:meth:`restore_training`), with its ψ, history
+        and iteration."""
+        self.restore_training(state)
+        extra = state["extra"]
+        self.psi = torch.tensor(extra["psi"]) if extra.get("psi") is not None else None
+        self.history = extra.get("history", {})
+        self.start_iteration = state["iteration"]
+
+    def restore_training(self, state: dict) -> None:
+        """Load a checkpoint's tensors (full tensors, read by every rank) into the prepared network,
+        optimizer, EMA and old policy: each rank keeps its shards under FSDP."""
         self.policy.load_trainable_state(state["trainable"])
         optimizer = state["optimizer"]
         if self.dist.sharded:
@@ -195,10 +210,6 @@ class Session:
             if kept is not None and saved is not None:
                 for shadow, name in zip(kept.shadow, sorted(saved)):
                     shadow.copy_(shard_like(saved[name], shadow))
-        extra = state["extra"]
-        self.psi = torch.tensor(extra["psi"]) if extra.get("psi") is not None else None
-        self.history = extra.get("history", {})
-        self.start_iteration = state["iteration"]
 
 
 def prepare_run_dir(cfg: Config, dist: Dist, resume: bool) -> Path:
@@ -304,6 +315,7 @@ def _assemble(cfg: Config, dist: Dist, run_dir: Path, resume: bool, model, rewar
         s.psi = read_psi(cfg.psi_path, cfg.num_steps)
     if s.psi is not None:
         write_psi(s)
+    s.guard = Guard(s) if cfg.guard != "off" else None  # after the restore: it keeps its state
     return s
 
 
