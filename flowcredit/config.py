@@ -206,8 +206,10 @@ class Config:
     """On an alarm at an evaluation: 'warn' (log, mark), 'stop', 'rollback' (to best/); 'off': no signals."""
     guard_monitors: str = ""
     """Comma list of rewards scored on the held-out samples, never trained on; the first chooses best/."""
-    guard_noise_mult: float = 2.0
+    guard_noise_mult: float = 3.0
     """A monitor alarm needs a fall of more than this many noise floors (the start's) below its best."""
+    guard_patience: int = 2
+    """The guard acts once this many evaluations in a row raised an alarm (1: at the first)."""
     guard_diversity_frac: float = 0.5
     """Diversity alarm below this fraction of its start (spread of a prompt's samples); 0: off."""
     guard_saturation_delta: float = 0.15

@@ -92,11 +92,10 @@ def high_frequency_share(images: torch.Tensor, cutoff: float = HIGH_FREQUENCY) -
     """
     gray = as_frames(images).double().mean(dim=1)  # (n, H, W)
     gray = gray - gray.mean(dim=(1, 2), keepdim=True)
-    power = torch.fft.rfft2(gray).abs() ** 2  # (n, H, W // 2 + 1)
+    power = torch.fft.fft2(gray).abs() ** 2  # (n, H, W)
     fy = torch.fft.fftfreq(gray.shape[1], dtype=torch.float64)[:, None]
-    fx = torch.fft.rfftfreq(gray.shape[2], dtype=torch.float64)[None, :]
-    high = (fy**2 + fx**2).sqrt() > cutoff  # (H, W // 2 + 1)
-    # rfft2 keeps half the columns: the dropped ones mirror the kept ones, so the share is unchanged
+    fx = torch.fft.fftfreq(gray.shape[2], dtype=torch.float64)[None, :]
+    high = (fy**2 + fx**2).sqrt() > cutoff  # (H, W)
     total = power.sum().item()
     return power[:, high].sum().item() / total if total > 0 else 0.0
 

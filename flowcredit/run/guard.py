@@ -48,14 +48,23 @@ def monitor_names(cfg) -> list[str]:
 class Guard:
     """A run's guard; ``state`` is the JSON kept in ``s.history["guard"]``: the start's ``reference``
     signals and monitor ``floors``, each monitor's ``peak`` ``[value, trained reward then]``, ``best``
-    (the checkpoint's iteration and score), ``alarms`` ``[[iteration, [signal, …]], …]``,
-    ``rollbacks`` and the β in force."""
+    (the checkpoint's iteration and score), ``alarms`` ``[[iteration, [signal, …]], …]``, ``streak``
+    (evaluations in a row that alarmed: the action waits for ``guard_patience``), ``rollbacks`` and the
+    β in force."""
 
     def __init__(self, s):
         self.cfg = s.cfg
         self.state = s.history.setdefault(
             "guard",
-            {"reference": None, "floors": {}, "peak": {}, "best": None, "alarms": [], "rollbacks": 0},
+            {
+                "reference": None,
+                "floors": {},
+                "peak": {},
+                "best": None,
+                "alarms": [],
+                "streak": 0,
+                "rollbacks": 0,
+            },
         )
         self.state.setdefault("beta", s.cfg.beta)
         s.cfg = dataclasses.replace(s.cfg, beta=self.state["beta"])  # a resumed run keeps a raised β
@@ -118,14 +127,20 @@ class Guard:
         alarm = s.dist.sum_(code).item() > 0  # FSDP: every rank measured; DDP: rank 0 alone
         out = {"guard/alarm": float(len(fired))}
         if not alarm:
+            self.state["streak"] = 0
             if self.measured is not None:  # DDP: rank 0 alone measured, and alone writes
                 out |= self.keep_if_best(s, iteration)
             self.measured = None
             return out
-        self.state["alarms"].append([iteration, sorted(fired)])
+        self.state["alarms"].append([iteration, sorted(fired)])  # rank 0's list; others: []
+        self.measured = None
         for reason in fired.values():
             say(s, f"guard: alarm at iteration {iteration}: {reason}")
-        self.measured = None
+        st = self.state
+        st["streak"] = st.get("streak", 0) + 1  # evaluations in a row that alarmed
+        if st["streak"] < self.cfg.guard_patience:
+            return out
+        st["streak"] = 0
         return out | GUARD_ACTION[self.cfg.guard](self, s, iteration)
 
     def keep_if_best(self, s, iteration: int) -> dict:
