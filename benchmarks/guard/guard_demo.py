@@ -1,0 +1,167 @@
+"""The reward-hacking guard on a real hack: the soft score alone, no KL, uniform prompts, with the guard
+(rollback, monitor ``shapes_strict``) and without it (``warn``: training unchanged), on two seeds. The
+settings, the claim and its void condition are pre-registered in docs/benchmarks.md ("the
+reward-hacking guard on a real hack").
+
+    python benchmarks/guard/guard_demo.py [--runs control-0,guard-0,…] [--work runs/guard_demo]
+    python benchmarks/guard/guard_demo.py --report     # only the report of benchmarks/results/guard
+
+A run that stopped part-way is resumed; a finished one is kept. Each finished run's metrics, summary,
+curves and before/after grid are copied to ``benchmarks/results/guard/<arm>-seed<S>/``; the report
+(``report.md``, ``guard_demo.png``) is computed from those copies alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "guard"
+HACKABLE = [
+    "--preset", "skill", "--reward", "shapes", "--prompt_weights", "uniform", "--beta", "0",
+    "--lr", "1e-3", "--iterations", "60", "--eval_every", "10", "--log_with", "none",
+]  # fmt: skip
+ARMS = {
+    "control": ["--guard", "warn", "--guard_monitors", "shapes_strict"],
+    "guard": ["--guard", "rollback", "--guard_monitors", "shapes_strict", "--guard_max_rollbacks", "2"],
+}
+SEEDS = (0, 1)
+KEPT = ("metrics.jsonl", "summary.json", "config.json", "guard_curve.png", "reward_curve.png")
+KEPT += ("grid_before_after_test.png",)
+FLOORS = 2.0  # the claim's margin, in noise floors of the strict score
+
+
+def train(name: str, work: Path) -> None:
+    arm, seed = name.rsplit("-", 1)
+    run_dir = work / name
+    if (run_dir / "summary.json").is_file():
+        print(f"{name}: finished already", flush=True)
+    else:
+        cli = [sys.executable, "-m", "flowcredit", "train"]
+        if (run_dir / "checkpoint").is_dir():
+            cmd = [*cli, "--resume", str(run_dir)]
+        else:
+            cmd = [*cli, *HACKABLE, *ARMS[arm], "--seed", seed, "--run_dir", str(run_dir)]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
+    out = RESULTS / f"{arm}-seed{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    for file in KEPT:
+        if (run_dir / file).is_file():
+            shutil.copy2(run_dir / file, out / file)
+
+
+def read_run(folder: Path) -> dict:
+    """The strict curve, floor, alarms and actions of one published run."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/test/strict" in r]
+    summary = json.loads((folder / "summary.json").read_text())
+    curve = [(r["iteration"], r["eval/test/strict"]) for r in evals]
+    best = max(curve, key=lambda p: p[1])
+    acted = [r["iteration"] for r in evals if r.get("guard/rollback") or r.get("guard/stop")]
+    return {
+        "curve": curve,
+        "floor": evals[0]["guard/floor/shapes_strict"],
+        "start": curve[0][1],
+        "final": curve[-1][1],
+        "best": best,
+        "best_dir": summary["guard"]["best"],
+        "alarms": [a[0] for a in summary["guard"]["alarms"]],
+        "acted": acted,
+        "iterations": summary["iterations"],
+    }
+
+
+def report() -> str:
+    head = "| seed | arm | strict: start → final | best (at) | floor | final − best | alarms at | acted at |"
+    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    runs, verdicts = {}, []
+    for seed in SEEDS:
+        for arm in ARMS:
+            folder = RESULTS / f"{arm}-seed{seed}"
+            if not (folder / "summary.json").is_file():
+                continue
+            r = runs[arm, seed] = read_run(folder)
+            alarms, acted = (", ".join(map(str, r[k])) or "–" for k in ("alarms", "acted"))
+            best, fall = f"{r['best'][1]:.3f} ({r['best'][0]})", r["final"] - r["best"][1]
+            lines.append(
+                f"| {seed} | {arm} | {r['start']:.3f} → {r['final']:.3f} | {best} | ±{r['floor']:.3f} | "
+                f"{fall:+.3f} | {alarms} | {acted} |"
+            )
+        if ("control", seed) in runs and ("guard", seed) in runs:
+            c, g = runs["control", seed], runs["guard", seed]
+            hacked = c["final"] < c["best"][1] - FLOORS * c["floor"]
+            held = g["final"] >= g["best"][1] - FLOORS * g["floor"] and g["final"] > c["final"]
+            verdicts.append((seed, hacked, held))
+    lines.append("")
+    for seed, hacked, held in verdicts:
+        lines.append(
+            f"- seed {seed}: (a) the hack happened without the guard: **{'yes' if hacked else 'no'}**; "
+            f"(b) the guard held: **{'yes' if held else 'no'}**"
+        )
+    if len(verdicts) == len(SEEDS):
+        if not all(h for _, h, _ in verdicts):
+            overall = "void (the hack did not happen on every seed)"
+        else:
+            overall = "the claim holds" if all(k for _, _, k in verdicts) else "the claim fails"
+        lines.append(f"- **verdict: {overall}** (pre-registered in docs/benchmarks.md)")
+    figure(runs)
+    text = "\n".join(lines) + "\n"
+    (RESULTS / "report.md").write_text(text)
+    return text
+
+
+def figure(runs: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SEEDS), figsize=(5 * len(SEEDS), 3.4), dpi=110, sharey=True)
+    for ax, seed in zip(axes, SEEDS):
+        for arm, style in (("control", "s-"), ("guard", "o-")):
+            r = runs.get((arm, seed))
+            if r is None:
+                continue
+            line = ax.plot(
+                *zip(*r["curve"]),
+                style,
+                ms=4,
+                label="guard off (warn)" if arm == "control" else "guard on (rollback)",
+            )
+            for k, it in enumerate(r["acted"]):
+                ax.axvline(
+                    it, color=line[0].get_color(), ls="--", lw=0.8, label="guard acted" if k == 0 else None
+                )
+            band = r["best"][1] - FLOORS * r["floor"]
+            if arm == "control":
+                ax.axhline(band, color="grey", ls=":", lw=0.8, label=f"best − {FLOORS:g} floors (off)")
+        ax.set_title(f"seed {seed}: soft score trained, no KL", fontsize=9)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("held-out strict (86 × 4, ODE)")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "guard_demo.png")
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default=",".join(f"{a}-{s}" for s in SEEDS for a in ARMS))
+    parser.add_argument("--work", default=str(ROOT / "runs" / "guard_demo"))
+    parser.add_argument("--report", action="store_true", help="only the report of the published runs")
+    args = parser.parse_args()
+    if not args.report:
+        for name in args.runs.split(","):
+            train(name, Path(args.work))
+    print(report())
+
+
+if __name__ == "__main__":
+    main()
