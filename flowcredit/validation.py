@@ -15,7 +15,7 @@ from pathlib import Path
 from flowcredit.advantages import CREDITS
 from flowcredit.config import LOG_WITH, LORA_FORWARDS, TRAIN_PARAMS, Config, parse_value, trained_window
 from flowcredit.errors import ConfigError, UserError
-from flowcredit.guard import GUARD_ACTIONS
+from flowcredit.guard_signals import GUARD_ACTIONS
 from flowcredit.losses import KL_MODES
 from flowcredit.models.registry import MODELS, VIDEO_MODELS, check_num_frames, is_model_spec
 from flowcredit.rewards import REWARDS, parse_mix

@@ -11,6 +11,7 @@ ROOT = Path(flowcredit.__file__).parent
 MATH_CORE = (
     *("schedule", "sde", "values", "advantages", "calibration", "losses"),
     *("updates", "update_rules", "step_schedules", "entropy_merge", "step_weights", "credit_audit"),
+    "guard_signals",
 )
 
 

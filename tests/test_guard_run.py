@@ -121,3 +121,16 @@ def test_stop_waits_for_patience_then_ends_the_run(model, tmp_path):
 def test_bad_guard_settings_name_their_field(extra, field, tmp_path):
     with pytest.raises(ConfigError, match=f"'{field}'"):
         small_config("flow_grpo", tmp_path / "run", **extra)
+
+
+def test_monitor_options_reach_the_monitor_not_the_trained_reward():
+    from flowcredit.config import Config
+    from flowcredit.errors import UserError
+    from flowcredit.run.session import build_reward
+
+    options = json.dumps({"remote": {"url": "http://127.0.0.1:9"}})  # built, never called
+    cfg = Config(guard="warn", guard_monitors="remote", reward_options=options)
+    assert build_reward(cfg, cfg.reward).weights == {"shapes": 1.0}
+    assert build_reward(cfg, "remote", named_only=True).weights == {"remote": 1.0}
+    with pytest.raises(UserError, match="'remote', which is not in the reward spec"):
+        build_reward(Config(reward_options=options), "shapes")  # no monitor of that name: a typo

@@ -1,4 +1,4 @@
-"""The reward-hacking guard's signals and alarm rules (flowcredit/guard.py) on hand-made images and
+"""The reward-hacking guard's signals and alarm rules (flowcredit/guard_signals.py) on hand-made images and
 curves: each against a hand computation or a closed form; each fires on the failure it is for and
 stays quiet on noise at the floor."""
 
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from flowcredit.guard import (
+from flowcredit.guard_signals import (
     colour_histogram,
     high_frequency_share,
     histogram_tv,

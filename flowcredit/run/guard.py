@@ -3,7 +3,7 @@
 
 At each evaluation :meth:`Guard.measure` scores the held-out samples with the trained reward and the
 monitors (loaded then, dropped after), and measures diversity, saturation, colour drift,
-high-frequency energy and weight drift (:mod:`flowcredit.guard`); the start evaluation fixes the
+high-frequency energy and weight drift (:mod:`flowcredit.guard_signals`); the start evaluation fixes the
 references and the monitors' noise floors (std over its 3 noise seeds). :meth:`Guard.act` then
 decides: an evaluation without alarm whose choosing score (the first monitor's, else the trained
 reward's) beats the best so far becomes ``best/`` (the exported model, loadable with ``flowcredit
@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from flowcredit.guard import (
+from flowcredit.guard_signals import (
     colour_histogram,
     high_frequency_share,
     histogram_tv,
@@ -160,13 +160,11 @@ class Guard:
 def reward_means(s, image_sets: list[torch.Tensor], metas: list[dict], k: int) -> dict[str, list[float]]:
     """``trained`` and each monitor's mean score on each set of samples (a monitor is built here and
     dropped after: monitors hold memory only during evaluation)."""
-    from flowcredit.run.session import build_reward
-
     rows = [m for m in metas for _ in range(k)]
     prompts = [m["prompt"] for m in rows]
     rewards = {
         "trained": s.reward,
-        **{n: build_reward(s.cfg, n, named_only=True) for n in monitor_names(s.cfg)},
+        **{n: s.named_reward(n) for n in monitor_names(s.cfg)},
     }
     out = {
         name: [float(fn(images, prompts, rows).mean()) for images in image_sets]
@@ -201,7 +199,7 @@ def save_start(s) -> None:
 
 
 def drift_from_start(s) -> float:
-    """:func:`flowcredit.guard.weight_drift` of the trained weights from :data:`START_FILE`."""
+    """:func:`flowcredit.guard_signals.weight_drift` of the trained weights from :data:`START_FILE`."""
     from safetensors.torch import load_file
 
     start = load_file(str(s.run_dir / START_FILE))

@@ -25,7 +25,7 @@ from flowcredit.models.registry import apply_text_length
 from flowcredit.rewards import Reward, check_metadata, get_reward, parse_mix, uses_shapeeval
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from flowcredit.run.distributed import Dist
-from flowcredit.run.guard import Guard
+from flowcredit.run.guard import Guard, monitor_names
 from flowcredit.run.lora_compose import compose_lora, lora_forwards, sampling_copies
 from flowcredit.run.policy import EMA, Policy
 from flowcredit.run.rollout import Batch, draw_batch, noise_levels
@@ -151,6 +151,10 @@ class Session:
             rank,
             PROMPT_WEIGHTS[c.prompt_weights](self.train_metas),
         )
+
+    def named_reward(self, spec: str) -> Reward:
+        """The reward ``spec`` (a monitor, the evaluation reward) with its own ``reward_options`` entries."""
+        return build_reward(self.cfg, spec, named_only=True)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -330,12 +334,17 @@ def check_frame_stride(stride: int, num_frames: int) -> None:
 
 
 def build_reward(cfg: Config, spec: str, named_only: bool = False) -> Reward:
-    """The reward ``spec`` with ``cfg.reward_options`` (``named_only``: only the entries of rewards in
-    ``spec``; the training reward takes them all, so a misspelt name is an error) and
-    ``cfg.reward_frame_stride``."""
+    """The reward ``spec`` with ``cfg.reward_options`` and ``cfg.reward_frame_stride``. ``named_only``
+    (the evaluation reward, the guard's monitors): only the entries of rewards in ``spec``; the
+    training reward takes every entry but those of the evaluation reward and the monitors, so a
+    misspelt name is an error."""
     options = json.loads(cfg.reward_options) if cfg.reward_options else {}
+    mine = parse_mix(spec)
+    others = set(parse_mix(cfg.eval_reward) if cfg.eval_reward else {}) | set(monitor_names(cfg))
     if named_only:
-        options = {k: v for k, v in options.items() if k in parse_mix(spec)}
+        options = {k: v for k, v in options.items() if k in mine}
+    else:
+        options = {k: v for k, v in options.items() if k in mine or k not in others}
     return get_reward(spec, options or None, cfg.reward_frame_stride)
 
 
