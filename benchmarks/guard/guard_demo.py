@@ -56,6 +56,28 @@ def train(name: str, work: Path) -> None:
             shutil.copy2(run_dir / file, out / file)
 
 
+def evaluate(name: str, work: Path) -> None:
+    """The held-out strict score of the weights the run ends with (``final/``) and of ``best/``, by
+    ``flowcredit eval`` with the run's own evaluation settings (86 prompts × 4, noise seed 1234): a
+    rollback at the last evaluation leaves ``final/`` = ``best/``, which the run's last evaluation,
+    taken before the guard acted, does not show."""
+    arm, seed = name.rsplit("-", 1)
+    out = RESULTS / f"{arm}-seed{seed}"
+    for which in ("final", "best"):
+        target = out / f"eval_{which}"
+        if (target / "eval.json").is_file():
+            continue
+        cmd = [sys.executable, "-m", "flowcredit", "eval", "--checkpoint", str(work / name / which)]
+        cmd += ["--seeds", "1234", "--samples-per-prompt", "4", "--max-prompts", "0", "--out", str(target)]
+        print(" ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True, cwd=ROOT)
+
+
+def strict_of(folder: Path) -> float:
+    """The overall strict score (mean over categories) of an ``eval.json``."""
+    return json.loads((folder / "eval.json").read_text())["tables"]["1234"]["overall"]["strict"]
+
+
 def read_run(folder: Path) -> dict:
     """The strict curve, floor, alarms and actions of one published run."""
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -68,7 +90,9 @@ def read_run(folder: Path) -> dict:
         "curve": curve,
         "floor": evals[0]["guard/floor/shapes_strict"],
         "start": curve[0][1],
-        "final": curve[-1][1],
+        "last_eval": curve[-1][1],
+        "final": strict_of(folder / "eval_final"),
+        "best_weights": strict_of(folder / "eval_best"),
         "best": best,
         "best_dir": summary["guard"]["best"],
         "alarms": [a[0] for a in summary["guard"]["alarms"]],
@@ -78,8 +102,10 @@ def read_run(folder: Path) -> dict:
 
 
 def report() -> str:
-    head = "| seed | arm | strict: start → final | best (at) | floor | final − best | alarms at | acted at |"
-    lines = [head, "|---|---|---|---|---|---|---|---|"]
+    head = (
+        "| seed | arm | strict: start → last evaluation | best (at) | final/ | best/ | floor | final − best |"
+    )
+    lines = [head + " alarms at | acted at |", "|---|---|---|---|---|---|---|---|---|---|"]
     runs, verdicts = {}, []
     for seed in SEEDS:
         for arm in ARMS:
@@ -89,9 +115,10 @@ def report() -> str:
             r = runs[arm, seed] = read_run(folder)
             alarms, acted = (", ".join(map(str, r[k])) or "–" for k in ("alarms", "acted"))
             best, fall = f"{r['best'][1]:.3f} ({r['best'][0]})", r["final"] - r["best"][1]
+            weights = f"{r['final']:.3f} | {r['best_weights']:.3f}"
             lines.append(
-                f"| {seed} | {arm} | {r['start']:.3f} → {r['final']:.3f} | {best} | ±{r['floor']:.3f} | "
-                f"{fall:+.3f} | {alarms} | {acted} |"
+                f"| {seed} | {arm} | {r['start']:.3f} → {r['last_eval']:.3f} | {best} | {weights} | "
+                f"±{r['floor']:.3f} | {fall:+.3f} | {alarms} | {acted} |"
             )
         if ("control", seed) in runs and ("guard", seed) in runs:
             c, g = runs["control", seed], runs["guard", seed]
@@ -160,6 +187,7 @@ def main() -> None:
     if not args.report:
         for name in args.runs.split(","):
             train(name, Path(args.work))
+            evaluate(name, Path(args.work))
     print(report())
 
 
