@@ -309,6 +309,11 @@ def _check_guard(cfg: Config) -> None:
         _check(getattr(cfg, name) >= 0, name, "must be >= 0 (0: off)")
     for name in ("guard_high_freq_ratio", "guard_drift_max", "guard_max_rollbacks"):
         _check(getattr(cfg, name) >= 0, name, "must be >= 0 (0: off)")
+    _check(
+        cfg.guard == "off" or cfg.eval_every > 0,
+        "eval_every",
+        f"the guard ({cfg.guard!r}) measures at evaluations: set eval_every > 0 (0: only start and end)",
+    )
     _check(cfg.guard_patience >= 1, "guard_patience", "must be >= 1 (1: act at the first alarm)")
     _check(0 < cfg.guard_lr_scale <= 1, "guard_lr_scale", "must be in (0, 1]")
     _check(cfg.guard_beta_scale >= 1, "guard_beta_scale", "must be >= 1 (a rollback never loosens the KL)")

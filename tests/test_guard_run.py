@@ -110,12 +110,16 @@ def test_stop_waits_for_patience_then_ends_the_run(model, tmp_path):
     ("extra", "field"),
     [
         ({"guard": "maybe"}, "guard"),
-        ({"guard": "warn", "guard_monitors": "no_such_reward"}, "guard_monitors"),
-        ({"guard": "warn", "reward": "shapes", "guard_monitors": "shapes"}, "guard_monitors"),
-        ({"guard": "rollback", "guard_beta_scale": 2.0}, "guard_beta_scale"),
-        ({"guard": "rollback", "guard_lr_scale": 0.0}, "guard_lr_scale"),
-        ({"guard": "warn", "guard_patience": 0}, "guard_patience"),
-        ({"guard": "warn", "eval_samples_per_prompt": 1}, "guard_diversity_frac"),
+        ({"guard": "warn", "eval_every": 1, "guard_monitors": "no_such_reward"}, "guard_monitors"),
+        (
+            {"guard": "warn", "eval_every": 1, "reward": "shapes", "guard_monitors": "shapes"},
+            "guard_monitors",
+        ),
+        ({"guard": "rollback", "eval_every": 1, "guard_beta_scale": 2.0}, "guard_beta_scale"),
+        ({"guard": "rollback", "eval_every": 1, "guard_lr_scale": 0.0}, "guard_lr_scale"),
+        ({"guard": "warn", "eval_every": 1, "guard_patience": 0}, "guard_patience"),
+        ({"guard": "warn", "eval_samples_per_prompt": 1, "eval_every": 1}, "guard_diversity_frac"),
+        ({"guard": "warn", "eval_every": 0}, "eval_every"),
     ],
 )
 def test_bad_guard_settings_name_their_field(extra, field, tmp_path):
