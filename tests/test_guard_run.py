@@ -63,6 +63,7 @@ def test_rollback_restores_best_byte_for_byte(model, tmp_path):
     run_dir = tmp_path / "rollback"
     _, summary = run(model, run_dir, iterations=1, guard="rollback", guard_lr_scale=1.0, **FORCED)
     assert summary["guard"]["rollbacks"] == 1 and metrics(run_dir)[1]["guard/rollback"] == 1.0
+    assert summary["guard"]["final_is_best"]  # iterations=1: the rollback was at the last evaluation
     for name in STATE_FILES:  # the checkpoint after the rollback is best/'s state (iteration 0)
         assert (run_dir / "checkpoint" / name).read_bytes() == (run_dir / "best/state" / name).read_bytes()
     # and the update had moved the weights: without the rollback they differ
@@ -71,8 +72,10 @@ def test_rollback_restores_best_byte_for_byte(model, tmp_path):
     moved = (warned / "checkpoint/trainable.safetensors").read_bytes()
     assert moved != (run_dir / "best/state/trainable.safetensors").read_bytes()
     assert load_checkpoint(run_dir / "best/state")["iteration"] == 0
-    # best/ is also a model that `flowcredit eval --checkpoint` loads: the exported weights of iteration 0
-    assert (run_dir / "best/trainable.safetensors").read_bytes() != b""
+    # best/ is also a model (`flowcredit eval --checkpoint RUN/best`); final/, exported after the
+    # rollback, is the same model
+    for name in ("trainable.safetensors", "model.safetensors"):
+        assert (run_dir / "final" / name).read_bytes() == (run_dir / "best" / name).read_bytes()
 
 
 def test_resume_after_a_rollback_is_exact(model, tmp_path, monkeypatch):

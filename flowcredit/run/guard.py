@@ -235,6 +235,7 @@ def rollback(guard: Guard, s, iteration: int) -> dict:
         return stop(guard, s, iteration)
     s.restore_training(load_checkpoint(s.run_dir / "best" / "state"))
     st["rollbacks"] += 1
+    st["last_rollback"] = iteration
     for group in s.optimizer.param_groups:
         group["lr"] = cfg.lr * cfg.guard_lr_scale ** st["rollbacks"]
     st["beta"] = cfg.beta * cfg.guard_beta_scale ** st["rollbacks"]

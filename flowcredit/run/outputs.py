@@ -29,6 +29,8 @@ def final_artifacts(s, elapsed: float, stopped_early: str | None = None) -> dict
         st = s.guard.state
         summary["guard"] = {"action": s.cfg.guard, "best": st["best"], "alarms": st["alarms"]}
         summary["guard"]["rollbacks"] = st["rollbacks"]
+        # a rollback at the last evaluation: final/ holds best/'s weights, not those "after" measured
+        summary["guard"]["final_is_best"] = st.get("last_rollback") == summary["iterations"]
     (s.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(format_summary(summary, run_label(s.cfg), str(s.run_dir)))
     return summary
@@ -115,6 +117,8 @@ def format_summary(summary: dict, label: str, run_dir: str) -> str:
             f"  guard ({guard['action']}): {when}; {guard['rollbacks']} rollbacks; best/ is iteration "
             f"{best.get('iteration')} by {best.get('by')} ({best.get('score', math.nan):.3f})"
         )
+        if guard["final_is_best"]:
+            lines.append("  rolled back at the last evaluation: final/ holds best/'s weights (not 'after')")
     if "stopped_early" in summary:
         early = summary["stopped_early"]
         lines.append(
