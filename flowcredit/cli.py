@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("flowcredit.commands.bench", "main", "compare credit-assignment methods"),
     "audit": ("flowcredit.commands.audit", "main", "how well each credit rule tracks each step's effect"),
     "demo": ("flowcredit.commands.demo", "main", "the default CPU fine-tuning job (make demo)"),
+    "memory": ("flowcredit.commands.memory", "main", "predicted peak GPU memory per phase, without a GPU"),
     "serve-reward": ("flowcredit.rewards.server", "main", "serve a registered reward over HTTP"),
 }
 

@@ -29,6 +29,7 @@ PARSERS = {
     "audit": "flowcredit.commands.audit:_parser",
     "serve-reward": "flowcredit.rewards.server:_parser",
     "demo": "flowcredit.commands.demo:_parser",
+    "memory": "flowcredit.commands.memory:_parser",
 }
 """Each command's parser (None: the command takes config fields only)."""
 
