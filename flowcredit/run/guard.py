@@ -76,11 +76,9 @@ class Guard:
         ``metas``); at the start, ``floor_images``: the same prompts' samples on the 2 other noise seeds."""
         cfg, k = self.cfg, self.cfg.eval_samples_per_prompt
         scores = reward_means(s, [images, *floor_images], metas, k)  # name → [mean per noise seed]
-        values = {
-            "diversity": sample_spread(images, k) if k >= 2 else math.nan,
-            "saturation": saturation(images),
-            "high_freq": high_frequency_share(images),
-        }
+        values = {"saturation": saturation(images), "high_freq": high_frequency_share(images)}
+        if k >= 2:  # one sample per prompt has no spread (validation: guard_diversity_frac then 0)
+            values["diversity"] = sample_spread(images, k)
         histogram = colour_histogram(images)
         st = self.state
         if st["reference"] is None:  # the start evaluation
