@@ -73,13 +73,27 @@ def evaluate(name: str, work: Path) -> None:
         subprocess.run(cmd, check=True, cwd=ROOT)
 
 
+def base_floor(work: Path) -> float:
+    """The strict score's noise floor at the start, shared by every run: the std (ddof 0) over the
+    start evaluation's three noise seeds (1234–1236) of the base model's overall strict score, with the
+    runs' evaluation settings (the runs log the floor of the soft score and of the per-image monitor,
+    not of the category-mean strict score the curves show)."""
+    target = RESULTS / "base_floor"
+    if not (target / "eval.json").is_file():
+        config = next(work.glob("*/config.json"))
+        cmd = [sys.executable, "-m", "flowcredit", "eval", "--config", str(config), "--checkpoint", "builtin"]
+        cmd += ["--seeds", "1234,1235,1236", "--samples-per-prompt", "4", "--max-prompts", "0"]
+        subprocess.run([*cmd, "--out", str(target)], check=True, cwd=ROOT)
+    return json.loads((target / "eval.json").read_text())["across_seeds"]["overall"]["strict"]["std"]
+
+
 def strict_of(folder: Path) -> float:
     """The overall strict score (mean over categories) of an ``eval.json``."""
     return json.loads((folder / "eval.json").read_text())["tables"]["1234"]["overall"]["strict"]
 
 
-def read_run(folder: Path) -> dict:
-    """The strict curve, floor, alarms and actions of one published run."""
+def read_run(folder: Path, floor: float) -> dict:
+    """The strict curve, alarms and actions of one published run, with the shared ``floor``."""
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/test/strict" in r]
     summary = json.loads((folder / "summary.json").read_text())
@@ -88,7 +102,7 @@ def read_run(folder: Path) -> dict:
     acted = [r["iteration"] for r in evals if r.get("guard/rollback") or r.get("guard/stop")]
     return {
         "curve": curve,
-        "floor": evals[0]["guard/floor/shapes_strict"],
+        "floor": floor,
         "start": curve[0][1],
         "last_eval": curve[-1][1],
         "final": strict_of(folder / "eval_final"),
@@ -101,18 +115,18 @@ def read_run(folder: Path) -> dict:
     }
 
 
-def report() -> str:
+def report(work: Path) -> str:
     head = (
         "| seed | arm | strict: start → last evaluation | best (at) | final/ | best/ | floor | final − best |"
     )
     lines = [head + " alarms at | acted at |", "|---|---|---|---|---|---|---|---|---|---|"]
-    runs, verdicts = {}, []
+    runs, verdicts, floor = {}, [], base_floor(work)
     for seed in SEEDS:
         for arm in ARMS:
             folder = RESULTS / f"{arm}-seed{seed}"
             if not (folder / "summary.json").is_file():
                 continue
-            r = runs[arm, seed] = read_run(folder)
+            r = runs[arm, seed] = read_run(folder, floor)
             alarms, acted = (", ".join(map(str, r[k])) or "–" for k in ("alarms", "acted"))
             best, fall = f"{r['best'][1]:.3f} ({r['best'][0]})", r["final"] - r["best"][1]
             weights = f"{r['final']:.3f} | {r['best_weights']:.3f}"
@@ -188,7 +202,7 @@ def main() -> None:
         for name in args.runs.split(","):
             train(name, Path(args.work))
             evaluate(name, Path(args.work))
-    print(report())
+    print(report(Path(args.work)))
 
 
 if __name__ == "__main__":
