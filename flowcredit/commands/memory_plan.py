@@ -424,15 +424,20 @@ def run_phases(cfg: Config, model, policy) -> dict:
             v = chunked_velocity(model, x, sigma, cond, group, b)
             s.step_fn(v, x, sigma, s.sigmas[i + 1].expand(b), float(levels[i]), generator=gen)
 
+    # the values decode all the iteration's rows (prompts_per_iter × group_size), decode_chunk at a time
+    finals = torch.randn(
+        (min(getattr(model, "decode_chunk", b), cfg.prompts_per_iter * cfg.group_size), *shape)
+    )
+
     def values():
         with torch.no_grad(), policy.merged():
             if s.credit.needs != "final":
                 chunked_velocity(model, x, sigma, cond, group, b)
-            model.decode(x[: getattr(model, "decode_chunk", b)])
+            model.decode(finals)
 
     def reward():
         with torch.no_grad():
-            model.decode(x[: getattr(model, "decode_chunk", b)])
+            model.decode(finals)
 
     def update():
         from flowcredit.train import step_loss
