@@ -206,7 +206,9 @@ class Config:
     """On an alarm at an evaluation: 'warn' (log, mark), 'stop', 'rollback' (to best/); 'off': no signals."""
     guard_monitors: str = ""
     """Comma list of rewards scored on the held-out samples, never trained on; the first chooses best/."""
-    guard_noise_mult: float = 3.0
+    guard_monitor_rule: str = "fall"
+    """Monitor alarm: 'fall' (past the floors below its best) or 'hack' (only if the trained reward rose)."""
+    guard_noise_mult: float = 4.0
     """A monitor alarm needs a fall of more than this many noise floors (the start's) below its best."""
     guard_patience: int = 2
     """The guard acts once this many evaluations in a row raised an alarm (1: at the first)."""

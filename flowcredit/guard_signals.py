@@ -4,8 +4,8 @@ Every signal is measured at each evaluation on the held-out prompts' samples, dr
 sampler from fixed noise, so two evaluations differ only by the model:
 
 - **monitors**: rewards that are scored but never trained on; the alarm fires when one falls more
-  than ``guard_noise_mult`` noise floors below its best while the trained reward stands higher than
-  it did at that best (:func:`monitor_fell`);
+  than ``guard_noise_mult`` noise floors below its best (:func:`monitor_declined`), or, with the rule
+  ``hack``, only while the trained reward stands higher than it did at that best (:func:`monitor_fell`);
 - **diversity**: the spread of a prompt's samples (:func:`sample_spread`);
 - **artefacts**: mean HSV saturation (:func:`saturation`), the colour histogram's total-variation
   drift from the start (:func:`colour_histogram`, :func:`histogram_tv`) and the share of spectral energy
@@ -116,6 +116,17 @@ def monitor_fell(monitor: float, trained: float, best: float, trained_at_best: f
     A monitor that falls while the trained reward falls too is a run getting worse, not a hack.
     """
     return monitor < best - mult * floor and trained > trained_at_best
+
+
+def monitor_declined(monitor: float, trained: float, best: float, trained_at_best: float, floor: float, mult):
+    """The monitor alarm whatever the trained reward did: ``monitor < best − mult·floor``. A run that
+    degrades as a whole (its trained reward falling too) is caught as well as a hack."""
+    return monitor < best - mult * floor
+
+
+MONITOR_RULES = {"fall": monitor_declined, "hack": monitor_fell}
+"""The monitor alarm by ``guard_monitor_rule``: any fall past the floors, or only while the trained
+reward stands higher than it did at the monitor's best (docs/guard.md)."""
 
 
 def thresholds_crossed(values: dict, start: dict, limits: dict) -> dict[str, str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from flowcredit.advantages import CREDITS
 from flowcredit.config import LOG_WITH, LORA_FORWARDS, TRAIN_PARAMS, Config, parse_value, trained_window
 from flowcredit.errors import ConfigError, UserError
-from flowcredit.guard_signals import GUARD_ACTIONS
+from flowcredit.guard_signals import GUARD_ACTIONS, MONITOR_RULES
 from flowcredit.losses import KL_MODES
 from flowcredit.models.registry import MODELS, VIDEO_MODELS, check_num_frames, is_model_spec
 from flowcredit.rewards import REWARDS, parse_mix
@@ -297,6 +297,11 @@ def validate(cfg: Config) -> Config:
 def _check_guard(cfg: Config) -> None:
     """The reward-hacking guard's fields (docs/guard.md)."""
     _check(cfg.guard in GUARD_ACTIONS, "guard", f"{cfg.guard!r} is not one of {GUARD_ACTIONS}")
+    _check(
+        cfg.guard_monitor_rule in MONITOR_RULES,
+        "guard_monitor_rule",
+        f"{cfg.guard_monitor_rule!r} is not one of {sorted(MONITOR_RULES)}",
+    )
     trained = parse_mix(cfg.reward) if cfg.guard != "off" else {}
     for name in [m.strip() for m in cfg.guard_monitors.split(",") if m.strip()]:
         _check(

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from flowcredit.guard_signals import (
+    MONITOR_RULES,
     colour_histogram,
     high_frequency_share,
     histogram_tv,
+    monitor_declined,
     monitor_fell,
     sample_spread,
     saturation,
@@ -126,17 +128,18 @@ def test_monitor_alarm_needs_a_fall_past_the_floor_and_a_rising_trained_reward()
     assert not monitor_fell(0.27, 0.55, best, 0.60, floor, 2.0)  # both fell: getting worse, not a hack
 
 
-def false_alarms(mult: float, patience: int, evaluations: int = 50, runs: int = 400) -> float:
-    """The share of evaluations at which the monitor rule acts on a policy that never changes, when every
-    evaluation's monitor and trained reward move by independent noise at the floor (pessimistic: with
-    fixed evaluation noise, nearby policies' readings are correlated). The best is the highest reading
-    without alarm so far, as in the guard; it acts after ``patience`` alarming evaluations in a row."""
+def false_alarms(rule, mult: float, patience: int, evaluations: int = 50, runs: int = 400) -> float:
+    """The share of evaluations at which the monitor ``rule`` acts on a policy that never changes, when
+    every evaluation's monitor and trained reward move by independent noise at the floor (pessimistic:
+    with fixed evaluation noise, nearby policies' readings are correlated). The best is the highest
+    reading without alarm so far, as in the guard; it acts after ``patience`` alarming evaluations in a
+    row."""
     draw, floor, acted = random.Random(0), 0.01, 0
     for _ in range(runs):
         best, trained_then, streak = 0.30 + floor * draw.gauss(0, 1), 0.60 + floor * draw.gauss(0, 1), 0
         for _ in range(evaluations - 1):
             monitor, trained = 0.30 + floor * draw.gauss(0, 1), 0.60 + floor * draw.gauss(0, 1)
-            fell = monitor_fell(monitor, trained, best, trained_then, floor, mult)
+            fell = rule(monitor, trained, best, trained_then, floor, mult)
             streak = streak + 1 if fell else 0
             acted += streak >= patience
             if not fell and monitor > best:
@@ -145,18 +148,24 @@ def false_alarms(mult: float, patience: int, evaluations: int = 50, runs: int = 
 
 
 def test_monitor_alarm_is_rare_on_noise_at_its_floor():
-    # the defaults (guard_noise_mult 3, guard_patience 2): about 1.5 % of evaluations (docs/guard.md)
-    assert false_alarms(3.0, 2) < 0.02
-    # why both: 2 floors at once acts on about a fifth of them, 3 floors at once on about 8 %
-    assert false_alarms(2.0, 1) > 0.15 and false_alarms(3.0, 1) > 0.05
+    # the defaults (rule 'fall', guard_noise_mult 4, guard_patience 2): 0.2 % of evaluations
+    assert false_alarms(monitor_declined, 4.0, 2) < 0.005
+    # why both: 3 floors at once act on 16 % of them, 3 floors twice in a row on 4 % (docs/guard.md)
+    assert false_alarms(monitor_declined, 3.0, 1) > 0.1 and false_alarms(monitor_declined, 3.0, 2) > 0.02
+    # the 'hack' rule also needs the trained reward higher than at the best: about half as often
+    assert false_alarms(monitor_fell, 3.0, 2) < 0.02
 
 
-def test_monitor_alarm_fires_on_a_hack():
-    # the same noise after a hack: the monitor 5 floors lower, the trained reward higher
+def test_monitor_rules_on_a_hack_and_on_a_collapse():
+    # the same noise after a hack: the monitor 6 floors lower, the trained reward higher; both rules fire
     draw, floor = random.Random(1), 0.01
-    readings = [(0.30 + floor * (draw.gauss(0, 1) - 5), 0.65 + floor * draw.gauss(0, 1)) for _ in range(100)]
-    fired = sum(monitor_fell(m, t, 0.30, 0.60, floor, 3.0) for m, t in readings)
-    assert fired >= 95
+    hack = [(0.30 + floor * (draw.gauss(0, 1) - 6), 0.65 + floor * draw.gauss(0, 1)) for _ in range(100)]
+    for rule in MONITOR_RULES.values():
+        assert sum(rule(m, t, 0.30, 0.60, floor, 4.0) for m, t in hack) >= 95
+    # a collapse: both fall; only 'fall' fires
+    collapse = [(m, t - 0.2) for m, t in hack]
+    assert sum(MONITOR_RULES["fall"](m, t, 0.30, 0.60, floor, 4.0) for m, t in collapse) >= 95
+    assert not any(MONITOR_RULES["hack"](m, t, 0.30, 0.60, floor, 4.0) for m, t in collapse)
 
 
 def test_image_signals_quiet_on_pixel_noise():

@@ -3,12 +3,13 @@
 settings, the claim and its void condition are pre-registered in docs/benchmarks.md ("the
 reward-hacking guard on a real hack").
 
-    python benchmarks/guard/guard_demo.py [--runs control-0,guard-0,…] [--work runs/guard_demo]
-    python benchmarks/guard/guard_demo.py --report     # only the report of benchmarks/results/guard
+    python benchmarks/guard/guard_demo.py [--round 2] [--runs control-2,guard-2,…] [--work DIR]
+    python benchmarks/guard/guard_demo.py --round 1 --report   # the report of benchmarks/results/guard/round1
 
 A run that stopped part-way is resumed; a finished one is kept. Each finished run's metrics, summary,
-curves and before/after grid are copied to ``benchmarks/results/guard/<arm>-seed<S>/``; the report
-(``report.md``, ``guard_demo.png``) is computed from those copies alone.
+curves and before/after grid are copied to ``benchmarks/results/guard/round<N>/<arm>-seed<S>/``, with
+``flowcredit eval`` of its ``final/`` and ``best/``; the report (``report.md``, ``guard_demo.png``) is
+computed from those copies and the base model's floor (``benchmarks/results/guard/base_floor``).
 """
 
 from __future__ import annotations
@@ -30,13 +31,18 @@ ARMS = {
     "control": ["--guard", "warn", "--guard_monitors", "shapes_strict"],
     "guard": ["--guard", "rollback", "--guard_monitors", "shapes_strict", "--guard_max_rollbacks", "2"],
 }
-SEEDS = (0, 1)
+ROUNDS = {  # each pre-registered in docs/benchmarks.md before it ran
+    1: {"seeds": (0, 1), "pinned": ["--guard_monitor_rule", "hack", "--guard_noise_mult", "3"]},
+    2: {"seeds": (2, 3), "pinned": ["--guard_monitor_rule", "fall", "--guard_noise_mult", "4"]},
+}
+"""Round 1 ran with the guard's first defaults (the monitor rule 'hack', 3 floors), pinned here; round
+2 with the defaults that round 1 led to ('fall', 4 floors), on fresh seeds."""
 KEPT = ("metrics.jsonl", "summary.json", "config.json", "guard_curve.png", "reward_curve.png")
 KEPT += ("grid_before_after_test.png",)
 FLOORS = 2.0  # the claim's margin, in noise floors of the strict score
 
 
-def train(name: str, work: Path) -> None:
+def train(name: str, work: Path, rnd: int) -> None:
     arm, seed = name.rsplit("-", 1)
     run_dir = work / name
     if (run_dir / "summary.json").is_file():
@@ -46,23 +52,32 @@ def train(name: str, work: Path) -> None:
         if (run_dir / "checkpoint").is_dir():
             cmd = [*cli, "--resume", str(run_dir)]
         else:
-            cmd = [*cli, *HACKABLE, *ARMS[arm], "--seed", seed, "--run_dir", str(run_dir)]
+            cmd = [
+                *cli,
+                *HACKABLE,
+                *ARMS[arm],
+                *ROUNDS[rnd]["pinned"],
+                "--seed",
+                seed,
+                "--run_dir",
+                str(run_dir),
+            ]
         print(" ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
-    out = RESULTS / f"{arm}-seed{seed}"
+    out = RESULTS / f"round{rnd}" / f"{arm}-seed{seed}"
     out.mkdir(parents=True, exist_ok=True)
     for file in KEPT:
         if (run_dir / file).is_file():
             shutil.copy2(run_dir / file, out / file)
 
 
-def evaluate(name: str, work: Path) -> None:
+def evaluate(name: str, work: Path, rnd: int) -> None:
     """The held-out strict score of the weights the run ends with (``final/``) and of ``best/``, by
     ``flowcredit eval`` with the run's own evaluation settings (86 prompts × 4, noise seed 1234): a
     rollback at the last evaluation leaves ``final/`` = ``best/``, which the run's last evaluation,
     taken before the guard acted, does not show."""
     arm, seed = name.rsplit("-", 1)
-    out = RESULTS / f"{arm}-seed{seed}"
+    out = RESULTS / f"round{rnd}" / f"{arm}-seed{seed}"
     for which in ("final", "best"):
         target = out / f"eval_{which}"
         if (target / "eval.json").is_file():
@@ -115,15 +130,16 @@ def read_run(folder: Path, floor: float) -> dict:
     }
 
 
-def report(work: Path) -> str:
+def report(work: Path, rnd: int) -> str:
     head = (
         "| seed | arm | strict: start → last evaluation | best (at) | final/ | best/ | floor | final − best |"
     )
     lines = [head + " alarms at | acted at |", "|---|---|---|---|---|---|---|---|---|---|"]
     runs, verdicts, floor = {}, [], base_floor(work)
-    for seed in SEEDS:
+    seeds, out = ROUNDS[rnd]["seeds"], RESULTS / f"round{rnd}"
+    for seed in seeds:
         for arm in ARMS:
-            folder = RESULTS / f"{arm}-seed{seed}"
+            folder = out / f"{arm}-seed{seed}"
             if not (folder / "summary.json").is_file():
                 continue
             r = runs[arm, seed] = read_run(folder, floor)
@@ -145,26 +161,26 @@ def report(work: Path) -> str:
             f"- seed {seed}: (a) the hack happened without the guard: **{'yes' if hacked else 'no'}**; "
             f"(b) the guard held: **{'yes' if held else 'no'}**"
         )
-    if len(verdicts) == len(SEEDS):
+    if len(verdicts) == len(seeds):
         if not all(h for _, h, _ in verdicts):
             overall = "void (the hack did not happen on every seed)"
         else:
             overall = "the claim holds" if all(k for _, _, k in verdicts) else "the claim fails"
-        lines.append(f"- **verdict: {overall}** (pre-registered in docs/benchmarks.md)")
-    figure(runs)
+        lines.append(f"- **verdict: {overall}** (round {rnd}, pre-registered in docs/benchmarks.md)")
+    figure(runs, seeds, out)
     text = "\n".join(lines) + "\n"
-    (RESULTS / "report.md").write_text(text)
+    (out / "report.md").write_text(text)
     return text
 
 
-def figure(runs: dict) -> None:
+def figure(runs: dict, seeds: tuple, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(SEEDS), figsize=(5 * len(SEEDS), 3.4), dpi=110, sharey=True)
-    for ax, seed in zip(axes, SEEDS):
+    fig, axes = plt.subplots(1, len(seeds), figsize=(5 * len(seeds), 3.4), dpi=110, sharey=True)
+    for ax, seed in zip(axes, seeds):
         for arm, style in (("control", "s-"), ("guard", "o-")):
             r = runs.get((arm, seed))
             if r is None:
@@ -188,21 +204,26 @@ def figure(runs: dict) -> None:
         ax.legend(fontsize=7)
     axes[0].set_ylabel("held-out strict (86 × 4, ODE)")
     fig.tight_layout()
-    fig.savefig(RESULTS / "guard_demo.png")
+    fig.savefig(out / "guard_demo.png")
     plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", default=",".join(f"{a}-{s}" for s in SEEDS for a in ARMS))
-    parser.add_argument("--work", default=str(ROOT / "runs" / "guard_demo"))
+    parser.add_argument("--round", type=int, default=max(ROUNDS), choices=sorted(ROUNDS))
+    parser.add_argument("--runs", default="", help="e.g. control-2,guard-2 (default: the round's four)")
+    parser.add_argument("--work", default="", help="run folders (default: runs/guard_demo_round<N>)")
     parser.add_argument("--report", action="store_true", help="only the report of the published runs")
     args = parser.parse_args()
+    work = Path(args.work or ROOT / "runs" / f"guard_demo_round{args.round}")
+    names = (
+        args.runs.split(",") if args.runs else [f"{a}-{s}" for s in ROUNDS[args.round]["seeds"] for a in ARMS]
+    )
     if not args.report:
-        for name in args.runs.split(","):
-            train(name, Path(args.work))
-            evaluate(name, Path(args.work))
-    print(report(Path(args.work)))
+        for name in names:
+            train(name, work, args.round)
+            evaluate(name, work, args.round)
+    print(report(work, args.round))
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ import torch
 from tqdm import tqdm
 
 from flowcredit.guard_signals import (
+    MONITOR_RULES,
     colour_histogram,
     high_frequency_share,
     histogram_tv,
-    monitor_fell,
     sample_spread,
     saturation,
     thresholds_crossed,
@@ -103,10 +103,11 @@ class Guard:
         for name in monitor_names(cfg):
             best, trained_then = st["peak"].get(name, (math.inf, math.inf))
             floor = st["floors"][name]
-            if monitor_fell(scores[name], scores["trained"], best, trained_then, floor, cfg.guard_noise_mult):
+            rule = MONITOR_RULES[cfg.guard_monitor_rule]
+            if rule(scores[name], scores["trained"], best, trained_then, floor, cfg.guard_noise_mult):
                 fired[name] = (
                     f"monitor {name} {scores[name]:.4f} < its best {best:.4f} − {cfg.guard_noise_mult:g} × "
-                    f"floor {floor:.4f}, trained reward {scores['trained']:.4f} > {trained_then:.4f} then"
+                    f"floor {floor:.4f}; trained reward {scores['trained']:.4f}, {trained_then:.4f} then"
                 )
         limits = {
             "diversity_frac": cfg.guard_diversity_frac,
