@@ -1,7 +1,7 @@
 """The loss functions of the update rules and their pieces: the reverse-process surrogates (``clipped``,
-``ratio_norm``), the forward-process losses (``awm``, ``nft``), their time draws and the old policy's
-soft update. :mod:`flowcredit.updates` registers them (its docstring: conventions, deviations from the
-papers); they are re-exported there.
+``ratio_norm``, ``dppo``), the forward-process losses (``awm``, ``nft``), their time draws and the old
+policy's soft update. :mod:`flowcredit.updates` registers them (its docstring: conventions, deviations
+from the papers); they are re-exported there.
 """
 
 from __future__ import annotations
@@ -73,6 +73,89 @@ def ratio_norm(logp_new, logp_old, mean_new, mean_old, std, adv, *, clip_range: 
     """
     ell = normalized_log_ratio(logp_new, logp_old, mean_new, mean_old, std)
     return clipped_surrogate(ell, torch.zeros_like(ell), adv, clip_range)
+
+
+def dppo_divergence(mean_new, mean_old, std, *, add_kl_coefficient: bool = True) -> torch.Tensor:
+    """Flow-DPPO's divergence of a transition, ``D = mean_d (μ_θ − μ_old)² / (2·s²)``: ``(B,)`` float32.
+
+    Both transitions are ``N(μ, s²I)`` with one std ``s``, so ``mean_d``·dims of this is their exact
+    KL (either direction; the paper's Eq. 14); the authors' codes reduce with a mean over the latent
+    dims, and so does this (their threshold is calibrated on that scale). ``add_kl_coefficient=False``:
+    ``mean_d (μ_θ − μ_old)² / 2`` (the codes' option, no ``s``). Args: means ``(B, …)``, std ``(B,)``.
+    """
+    sq = ((mean_new.float() - mean_old.float()) ** 2).mean(dim=_dims(mean_new))
+    return sq / (2.0 * std.float() ** 2) if add_kl_coefficient else sq / 2.0
+
+
+def dppo_masked(
+    logp_new, logp_old, mean_new, mean_old, std, adv, *, kl_mask_threshold: float, add_kl_coefficient: bool
+) -> torch.Tensor:
+    """The rows Flow-DPPO removes from the loss, ``(B,)`` bool: outside the trust region
+    (``D ≥ τ``, :func:`dppo_divergence`) and moved further in their advantage's direction
+    (``r > 1`` with ``A > 0``, or ``r < 1`` with ``A < 0``; ``r = exp(logp_new − logp_old)``)."""
+    with torch.no_grad():
+        d = dppo_divergence(mean_new, mean_old, std, add_kl_coefficient=add_kl_coefficient)
+        far = d >= kl_mask_threshold
+        r, a = torch.exp(logp_new.float() - logp_old.float()), adv.float()
+        return far & (((r > 1.0) & (a > 0)) | ((r < 1.0) & (a < 0)))
+
+
+def dppo(
+    logp_new,
+    logp_old,
+    mean_new,
+    mean_old,
+    std,
+    adv,
+    *,
+    kl_mask_threshold: float = 1e-5,
+    add_kl_coefficient: bool = True,
+) -> torch.Tensor:
+    """Flow-DPPO (arXiv 2606.11025): ``mean_b[−A_b·r_b·1(¬m_b)]``, ``m`` = :func:`dppo_masked`.
+
+    PPO's ratio clip replaced by a trust region on the transitions' exact divergence
+    ``D = mean_d (μ_θ − μ_old)²/(2s²)`` (the paper's Eqs. 14 and 18): inside it (``D < τ``) every
+    row keeps the plain policy gradient ``−A·∇r``, however far ``r`` is from 1; outside it a row is
+    dropped (gradient 0) only if it has moved further in its advantage's direction (``r > 1``,
+    ``A > 0`` or ``r < 1``, ``A < 0``); a row moving back toward the old policy keeps its gradient.
+    The mask carries no gradient. ``r = exp(logp_new − logp_old)``.
+
+    Args:
+        logp_new, logp_old: ``(B,)`` averaged Gaussian log-densities (§2) of the stored ``x_next``.
+        mean_new, mean_old: ``(B, …)`` transition means under the current and the sampling policy.
+        std: ``(B,)`` the transition std ``s`` (> 0; the same for both policies). adv: ``(B,)``.
+        kl_mask_threshold: ``τ``, on :func:`dppo_divergence`'s per-dimension scale; 1e-5 is the
+            authors' config (UniRL ``FlowDPPO/config.yaml``, verl-omni ``diffusion_actor.yaml``).
+        add_kl_coefficient: divide by ``s²`` (True, the authors' default) or not.
+    Returns a scalar (float32).
+
+    Read in Tencent-Hunyuan/UniRL ``unirl/algorithms/flowdppo.py`` L43-138 (``_gaussian_kl_div``,
+    ``_flowdppo_kl_adv_loss``), L342-368 (``s``) at 1a7b501, and verl-project/verl-omni
+    ``verl_omni/trainer/diffusion/diffusion_algos.py`` L361-443 (``FlowDPPOLoss``) at a1139ba: the
+    same loss and mask. They differ in ``s``; we follow verl-omni, the sampler's own transition std
+    (its ``std_dev_t·√dt``), where UniRL recomputes Flow-SDE's from the σ grid with σ clamped at 0.99
+    (different at σ = 1 only, where the library's Flow-SDE takes σ̃ = σ'). Neither code clips the
+    advantage; this function does not either (the loop's credit methods clip at ``adv_clip``).
+    """
+    if (
+        mean_new.shape != mean_old.shape
+        or not logp_new.shape == logp_old.shape == std.shape == adv.shape == mean_new.shape[:1]
+    ):
+        raise ValueError("dppo: means must be (B, …) of one shape, logp_new, logp_old, std and adv (B,)")
+    if not bool((std > 0).all()):
+        raise ValueError("dppo: std must be > 0 (a deterministic step cannot be trained)")
+    masked = dppo_masked(
+        logp_new,
+        logp_old,
+        mean_new,
+        mean_old,
+        std,
+        adv,
+        kl_mask_threshold=kl_mask_threshold,
+        add_kl_coefficient=add_kl_coefficient,
+    )
+    surrogate = -adv.float() * torch.exp(logp_new.float() - logp_old.float())
+    return torch.where(masked, surrogate.new_zeros(()), surrogate).mean()
 
 
 # --- forward process ---------------------------------------------------------------------------

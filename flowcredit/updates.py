@@ -3,8 +3,9 @@
 
 Two kinds, told apart by ``needs`` (:data:`NEEDS`):
 - reverse process (``"logp"``): re-score a stored SDE transition ``x_i → x_{i+1}`` under the current
-  policy. ``clipped`` (Flow-GRPO's PPO surrogate, :func:`flowcredit.losses.clipped_surrogate`) and
-  ``ratio_norm`` (GRPO-Guard, arXiv 2510.22319).
+  policy. ``clipped`` (Flow-GRPO's PPO surrogate, :func:`flowcredit.losses.clipped_surrogate`),
+  ``ratio_norm`` (GRPO-Guard, arXiv 2510.22319) and ``dppo`` (Flow-DPPO, arXiv 2606.11025: a trust
+  region on the transitions' exact divergence instead of the ratio clip).
 - forward process (``"clean"``): noise the rollout's final sample afresh and regress the velocity
   there, as in pretraining; no likelihood, any sampler. ``awm`` (Advantage Weighted Matching, arXiv
   2509.25050) and ``nft`` (DiffusionNFT, arXiv 2509.16117).
@@ -36,6 +37,9 @@ from flowcredit.update_rules import (
     awm_times,
     awm_weighted_error,
     clipped,
+    dppo,
+    dppo_divergence,
+    dppo_masked,
     matching_error,
     nft,
     nft_optimality,
@@ -62,6 +66,9 @@ __all__ = [
     "awm_times",
     "awm_weighted_error",
     "clipped",
+    "dppo",
+    "dppo_divergence",
+    "dppo_masked",
     "matching_error",
     "nft",
     "nft_optimality",
@@ -245,6 +252,7 @@ def _require(ok: bool, option: str, message: str) -> None:
 
 _LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "clip_range": (lambda v: v > 0, "> 0"),
+    "kl_mask_threshold": (lambda v: v > 0, "> 0"),
     "adv_scale": (lambda v: v > 0, "> 0"),
     "power": (lambda v: v > 0, "> 0"),
     "beta": (lambda v: v > 0, "> 0"),
@@ -291,6 +299,14 @@ register_update(
     ratio_norm,
     ("logp", "mean"),
     {"clip_range": 2e-6},
+    check=_checker(),
+    drops_zero_advantage=True,
+)
+register_update(
+    "dppo",
+    dppo,
+    ("logp", "mean"),
+    {"kl_mask_threshold": 1e-5, "add_kl_coefficient": True},
     check=_checker(),
     drops_zero_advantage=True,
 )
