@@ -237,6 +237,8 @@ def step_loss(
 def rule_clipfrac(s: Session, given: dict) -> torch.Tensor:
     """The fraction of rows whose ratio the update rule clips: ``clipped``'s ratio against
     ``clip_range``, ``ratio_norm``'s normalised ratio ``exp ℓ`` against its own range."""
+    if s.update.clipfrac is not None:  # the rule's own (Flow-DPPO: the rows outside its trust region)
+        return s.update.clipfrac(**given, **s.update.split(s.update_opts)[0])
     clip_range = s.update_opts.get("clip_range", s.cfg.clip_range)
     if "mean" not in s.update.needs:
         return clipfrac(given["logp_new"], given["logp_old"], clip_range)

@@ -24,6 +24,7 @@ Deviations from the papers / their code (each function's docstring has its own):
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -126,6 +127,9 @@ class Update:
             with valid rewards: AWM's ``old_beta`` KL and DiffusionNFT's ``r = ½`` branches pull θ
             toward the old policy at advantage 0 once θ ≠ old, and the loss's mean runs over the
             whole batch, as in both authors' codes.
+        clipfrac: ``(**keywords of fn, **options) -> fraction`` of the rows the rule clips or masks
+            (``stats/clipfrac``); None: the ratio against ``clip_range`` (a rule that needs ``mean``:
+            GRPO-Guard's normalised ratio).
     """
 
     fn: UpdateFn
@@ -137,6 +141,7 @@ class Update:
     samples_with: str = "current"
     check: Callable[[Mapping[str, object]], None] | None = None
     drops_zero_advantage: bool = False
+    clipfrac: Callable[..., torch.Tensor] | None = None
 
     @property
     def forward(self) -> bool:
@@ -177,6 +182,7 @@ def register_update(
     samples_with: str = "current",
     check: Callable[[Mapping[str, object]], None] | None = None,
     drops_zero_advantage: bool = False,
+    clipfrac: Callable[..., torch.Tensor] | None = None,
 ) -> Update:
     """Register an update rule under ``name``; returns its entry. Raises ``ValueError`` for a taken
     name, an unknown or inconsistent ``needs``, or a keyword that no function of the entry accepts."""
@@ -209,6 +215,7 @@ def register_update(
     if set(fields) - set(options):
         raise bad(f"fields name options it does not have: {sorted(set(fields) - set(options))}")
     entry = Update(fn, needs, options, fields, times, old_decay, samples_with, check, drops_zero_advantage)
+    entry = dataclasses.replace(entry, clipfrac=clipfrac)
     UPDATES[name] = entry
     return entry
 
@@ -309,6 +316,7 @@ register_update(
     {"kl_mask_threshold": 1e-5, "add_kl_coefficient": True},
     check=_checker(),
     drops_zero_advantage=True,
+    clipfrac=lambda **given: dppo_masked(**given).float().mean(),  # the rows outside the trust region
 )
 _AWM = {"weighting": "ghuber", "power": 0.25, "adv_scale": 5.0, "old_beta": 1.0, "time_draws": 6}
 _AWM.update({"time_fraction": 0.9, "time_from_first": False, "old_decay_max": 0.3, **_OLD})

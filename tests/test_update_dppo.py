@@ -288,3 +288,22 @@ def test_preset_is_registered_outside_the_bench_comparison():
     from flowcredit.presets import COMPARED_PRESETS
 
     assert "flow_dppo" in PRESETS and "flow_dppo" not in COMPARED_PRESETS
+
+
+def test_clipfrac_is_the_masked_fraction():
+    """``stats/clipfrac`` of ``dppo`` is the fraction of rows it masks (the entry's hook), by hand: of
+    two rows outside the region, the one moved in its advantage's direction is masked."""
+    from flowcredit.updates import UPDATES
+
+    mean_old = torch.zeros(2, 1)
+    mean_new = torch.tensor([[0.1], [0.1]])  # D = 0.01 / 2 = 5e-3 ≥ τ for both
+    given = dict(
+        logp_new=torch.tensor([0.2, 0.2]),  # r > 1 for both
+        logp_old=torch.zeros(2),
+        mean_new=mean_new,
+        mean_old=mean_old,
+        std=torch.ones(2),
+        adv=torch.tensor([1.0, -1.0]),  # row 0 moved in its advantage's direction: masked; row 1 not
+    )
+    fraction = UPDATES["dppo"].clipfrac(**given, kl_mask_threshold=1e-5, add_kl_coefficient=True)
+    assert fraction.item() == 0.5
