@@ -50,6 +50,7 @@ def test_warn_leaves_training_as_it_is(model, tmp_path):
     assert (tmp_path / "warn" / final).read_bytes() == (tmp_path / "off" / final).read_bytes()
     rows = metrics(tmp_path / "warn")
     assert [r.get("guard/alarm") for r in rows] == [0.0, 1.0, 1.0]  # the forced saturation alarm
+    assert warned["guard"]["alarms"][0][0] == 1  # the start evaluation never alarms (no best to fall from)
     assert warned["guard"]["alarms"] == [[1, ["saturation"]], [2, ["saturation"]]]
     assert warned["guard"]["best"]["iteration"] == 0 and warned["guard"]["best"]["by"] == "shapes_strict"
     assert "guard" not in plain and not (tmp_path / "off/best").exists()

@@ -101,7 +101,9 @@ class Guard:
         scores, values = self.measured["scores"], self.measured["values"]
         fired = {}
         for name in monitor_names(cfg):
-            best, trained_then = st["peak"].get(name, (math.inf, math.inf))
+            if name not in st["peak"]:  # the start evaluation: nothing to fall from yet
+                continue
+            best, trained_then = st["peak"][name]
             floor = st["floors"][name]
             rule = MONITOR_RULES[cfg.guard_monitor_rule]
             if rule(scores[name], scores["trained"], best, trained_then, floor, cfg.guard_noise_mult):
