@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from flowcredit.commands.bench_skill_eval import relative_paths
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "guard"
 HACKABLE = [
@@ -130,12 +132,24 @@ def read_run(folder: Path, floor: float) -> dict:
     }
 
 
+def publishable(folder: Path) -> None:
+    """Every JSON file under ``folder`` with the paths under the repository made relative to it (a
+    published result names no machine's absolute path; tests/test_published_results.py)."""
+    for path in folder.rglob("*.json"):
+        data = json.loads(path.read_text())
+        fixed = relative_paths(data, ROOT)
+        if fixed != data:
+            path.write_text(json.dumps(fixed, indent=2) + "\n")
+
+
 def report(work: Path, rnd: int) -> str:
     head = (
         "| seed | arm | strict: start → last evaluation | best (at) | final/ | best/ | floor | final − best |"
     )
     lines = [head + " alarms at | acted at |", "|---|---|---|---|---|---|---|---|---|---|"]
     runs, verdicts, floor = {}, [], base_floor(work)
+    for folder in (RESULTS / "base_floor", RESULTS / f"round{rnd}"):
+        publishable(folder)
     seeds, out = ROUNDS[rnd]["seeds"], RESULTS / f"round{rnd}"
     for seed in seeds:
         for arm in ARMS:
