@@ -209,6 +209,15 @@ def figure(runs: dict, seeds: tuple, out: Path) -> None:
                 ax.axvline(
                     it, color=line[0].get_color(), ls="--", lw=0.8, label="guard acted" if k == 0 else None
                 )
+            if arm == "guard":  # final/: after the guard's last action (a rollback at 60 restores best/)
+                ax.plot(
+                    r["curve"][-1][0],
+                    r["final"],
+                    "*",
+                    color=line[0].get_color(),
+                    ms=11,
+                    label="final/ (guard on)",
+                )
             band = r["best"][1] - FLOORS * r["floor"]
             if arm == "control":
                 ax.axhline(band, color="grey", ls=":", lw=0.8, label=f"best − {FLOORS:g} floors (off)")
