@@ -243,8 +243,8 @@ for _name, _make in (
     ("awm", awm),
 ):
     register_preset(_name, _make, compared=False)
-NEWER_PRESETS = ("mixgrpo", "tempflow_grpo", "egrpo", "grpo_guard", "diffusion_nft", "awm")
-"""The presets of the methods that came after the four this library started with (issue 39)."""
+NEWER_PRESETS = ("mixgrpo", "tempflow_grpo", "egrpo", "grpo_guard", "diffusion_nft", "awm", "flow_dppo")
+"""The presets of the methods that came after the four this library started with (issues 39 and 60)."""
 # issue 60's, registered after issue 39's (tests/test_resume.py pairs each preset with a kill point by
 # its position in PRESETS; the mutation check names some of those pairs)
 register_preset("flow_dppo", flow_dppo, compared=False)

@@ -1,9 +1,9 @@
-"""The newer methods on every adapter (issue 39): each preset of ``NEWER_PRESETS`` (mixgrpo, tempflow_grpo,
-egrpo, grpo_guard, diffusion_nft, awm) on the built-in model and on the tiny random-config SD3, FLUX.1,
-Qwen-Image, Wan2.1 and Z-Image pipelines (tests/tiny_diffusers.py), each with its preset's own step
-schedule, SDE window, step weights and update rule, options included (no ``_options`` overrides:
-TempFlow-GRPO branches at every step but the last, E-GRPO merges its steps, MixGRPO's window of 2 sits
-at its first position, AWM explores steps 0–6 of 10).
+"""The newer methods on every adapter (issues 39, 60): each preset of ``NEWER_PRESETS`` (mixgrpo,
+tempflow_grpo, egrpo, grpo_guard, diffusion_nft, awm, flow_dppo) on the built-in model and on the tiny
+random-config SD3, FLUX.1, Qwen-Image, Wan2.1 and Z-Image pipelines (tests/tiny_diffusers.py), each with
+its preset's own step schedule, SDE window, step weights and update rule, options included (no
+``_options`` overrides: TempFlow-GRPO branches at every step but the last, E-GRPO merges its steps,
+MixGRPO's window of 2 sits at its first position, AWM explores steps 0–6 of 10, Flow-DPPO 0–4 of 6).
 
 Checks, per adapter × preset:
 - float32 (and AWM in bfloat16, see ``RESUMED``): the first iteration trains (every metric finite, a
@@ -52,7 +52,7 @@ PROMPTS = ["a red square", "a photo of a cat"]
 FORWARD = ("nft", "awm")  # forward-process update rules (DiffusionNFT, AWM): an old policy too
 SMALL = dict(reward="reward_fixtures:brightness", prompts_per_iter=1, num_eval_prompts=1, eval_num_steps=2)
 SMALL |= dict(threads=1, log_with="none")
-NUM_STEPS = {"awm": 10}  # AWM's window_size 7 assumes 10 steps (its steps ending at σ' ∈ [0.3, 0.9])
+NUM_STEPS = {"awm": 10, "flow_dppo": 6}  # AWM's window 7 assumes 10 steps (σ' ∈ [0.3, 0.9]); Flow-DPPO's is 5
 RESUMED = [(preset, "float32") for preset in NEWER_PRESETS] + [("awm", "bfloat16")]
 """The resume tests: every preset in float32, and AWM (the most state: LoRA, optimizer, old policy; an
 SDE window and a KL to the old policy) in bfloat16 too; the other presets' bf16 runs train one iteration."""
