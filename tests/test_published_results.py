@@ -116,6 +116,8 @@ def test_results_json_is_the_report_of_the_published_runs(folder):
     for arm, result in fresh.items():
         assert result["seeds"] == stored[arm]["seeds"], arm
         assert result["verdict"] == stored[arm]["verdict"], arm
-        assert result["diff"]["strict/overall"] == pytest.approx(stored[arm]["diff"]["strict/overall"]), arm
+        assert result["diff"]["strict/overall"] == pytest.approx(
+            stored[arm]["diff"]["strict/overall"], nan_ok=True
+        ), arm  # n = 1: no interval
         assert result["before_fix"] == stored[arm].get("before_fix", {}), arm
         assert result["label"] == stored[arm]["label"], arm  # the words beside each verdict
