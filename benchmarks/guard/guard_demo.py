@@ -68,8 +68,9 @@ def train(name: str, work: Path, rnd: int) -> None:
         subprocess.run(cmd, check=True, cwd=ROOT)
     out = RESULTS / f"round{rnd}" / f"{arm}-seed{seed}"
     out.mkdir(parents=True, exist_ok=True)
-    for file in KEPT:
-        if (run_dir / file).is_file():
+    for file in (*KEPT, "provenance.jsonl", "final/trainable.safetensors", "best/trainable.safetensors"):
+        if (run_dir / file).is_file():  # the adapters: the run's last and best trained tensors
+            (out / file).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(run_dir / file, out / file)
 
 
