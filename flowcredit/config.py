@@ -237,6 +237,14 @@ class Config:
     less memory, more compute."""
     compile: bool = False
     """torch.compile the velocity network (the adapter's ``net``); needs a C compiler on the CPU."""
+    text_encoders: str = "device"
+    """Diffusers text encoders: 'device' (beside the transformer), 'offload' (on the host, on the device
+    while encoding) or 'cpu' (encode on the host); off 'device', encodings are cached per prompt."""
+    decode_chunk: int = 0
+    """Rows per VAE decode (0: the adapter's default, 8 for diffusers); fewer: less memory."""
+    base_quantization: str = "none"
+    """Frozen transformer-block weights in 8 bits (torchao; flowcredit[quant]): 'none', 'float8' or
+    'int8'. Changes the numbers (LoRA trains on the rounded base); never a default."""
 
 
 def _field_type(f: dataclasses.Field) -> type:

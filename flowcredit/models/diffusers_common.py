@@ -8,6 +8,7 @@ samplers see — latents, velocities, images — is float32 (docs/algorithms.md 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -17,6 +18,13 @@ import torch
 
 from flowcredit.errors import ConfigError
 from flowcredit.models.diffusers_checkpoint import LORA_WEIGHTS, check_checkpoint
+from flowcredit.models.memory_options import (
+    EncodingCache,
+    modules_on,
+    move_tensors,
+    quantize_base,
+    text_encoder_modules,
+)
 from flowcredit.models.protocol import FlowModelBase
 from flowcredit.schedule import resolution_shift_mu
 
@@ -82,6 +90,15 @@ class PromptCond:
         if torch.is_tensor(idx):
             idx = idx.to(self.embeds.device)
         return PromptCond(self.embeds[idx], self.pooled[idx], self.null)
+
+    def rows(self, i: int) -> PromptCond:
+        """Row ``i`` alone, without ``null`` (the per-prompt cache keeps ``null`` once)."""
+        return PromptCond(self.embeds[i : i + 1], self.pooled[i : i + 1])
+
+    @staticmethod
+    def cat_rows(rows: list[PromptCond], null: PromptCond | None) -> PromptCond:
+        """Rows of :meth:`rows` joined in order, with ``null``."""
+        return PromptCond(torch.cat([r.embeds for r in rows]), torch.cat([r.pooled for r in rows]), null)
 
     def expand(self, batch: int) -> PromptCond:
         """A batch-1 encoding repeated to ``batch`` rows (views, no copy)."""
@@ -176,6 +193,7 @@ class DiffusersFlowModel(FlowModelBase):
         self.latent_shape = latent_shape
         self.num_steps = 28
         self._cache: tuple[tuple[str, ...], PromptCond] | None = None
+        self.text_placement, self._host_cache = "device", None  # memory_options.TEXT_PLACEMENTS
         for module in pipe.components.values():
             if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False).eval()
@@ -191,12 +209,15 @@ class DiffusersFlowModel(FlowModelBase):
         resolution=None,
         guidance_scale=None,
         max_sequence_length=None,
+        text_encoders="device",
+        base_quantization="none",
         **load_kwargs,
     ):
         """Load a hub id or a local pipeline directory: weights in ``dtype`` (VAE in float32), on
         ``device`` (CUDA if available), text encoded with ``max_sequence_length`` tokens (None: the
-        adapter's default); ``load_kwargs`` go to the pipeline's ``from_pretrained`` (``revision``,
-        ``variant``, ``local_files_only``…)."""
+        adapter's default), the text encoders placed and the base quantised before anything moves
+        to the device (:mod:`~flowcredit.models.memory_options`); ``load_kwargs`` go to the pipeline's
+        ``from_pretrained`` (``revision``, ``variant``, ``local_files_only``…)."""
         import diffusers
 
         check_checkpoint(str(checkpoint), cls.pipeline_name)
@@ -212,6 +233,10 @@ class DiffusersFlowModel(FlowModelBase):
         pipe.set_progress_bar_config(disable=True)
         model = cls(pipe, resolution, guidance_scale)
         model.set_max_sequence_length(max_sequence_length)
+        if text_encoders != "device":
+            model.set_text_placement(text_encoders)
+        if base_quantization != "none":
+            quantize_base(model.net, base_quantization)
         return model.to(device or default_device())
 
     @property
@@ -230,10 +255,30 @@ class DiffusersFlowModel(FlowModelBase):
         return next(self.net.parameters()).dtype
 
     def to(self, device: str | torch.device) -> DiffusersFlowModel:
-        self.pipe.to(device)
+        """Every component on ``device``, but text encoders placed off it (``set_text_placement``)."""
+        if self.text_placement == "device":
+            self.pipe.to(device)
+        else:
+            away = {id(m) for m in text_encoder_modules(self.pipe)}
+            for module in self.pipe.components.values():
+                if isinstance(module, torch.nn.Module):
+                    module.to("cpu" if id(module) in away else device)
         self.net.to(device)
         self._cache = None
         return self
+
+    def set_text_placement(self, placement: str) -> None:
+        """Where the text encoders live (:data:`~flowcredit.models.memory_options.TEXT_PLACEMENTS`):
+        ``"device"`` beside the transformer; ``"offload"``: on the host, on the device while encoding;
+        ``"cpu"``: encode on the host. Off the device, encodings are cached per prompt on the host."""
+        self.text_placement = placement
+        self._host_cache = EncodingCache() if placement != "device" else None
+        self.to(self.device)
+
+    @property
+    def text_device(self) -> torch.device:
+        """Where the text encoders run: the host for ``"cpu"``, the transformer's device otherwise."""
+        return torch.device("cpu") if self.text_placement == "cpu" else self.device
 
     def tokenizer_limit(self) -> int | None:
         """The ``model_max_length`` of the tokenizer whose length ``max_sequence_length`` sets (None:
@@ -263,8 +308,20 @@ class DiffusersFlowModel(FlowModelBase):
         key = tuple(prompts)
         if self._cache is None or self._cache[0] != key:
             with torch.no_grad():
-                self._cache = (key, self._encode(list(prompts)))
+                if self._host_cache is None:
+                    self._cache = (key, self._encode(list(prompts)))
+                else:
+                    host = self._host_cache.encode(list(prompts), self._encode_to_host)
+                    self._cache = (key, move_tensors(host, self.device))
         return self._cache[1]
+
+    def _encode_to_host(self, prompts: list[str]):
+        """``_encode`` with the encoders on ``text_device`` (moved there and back for ``"offload"``),
+        the encoding on the host."""
+        modules = text_encoder_modules(self.pipe)
+        moving = self.text_placement == "offload"
+        with modules_on(modules, self.device, "cpu") if moving else contextlib.nullcontext():
+            return move_tensors(self._encode(prompts), "cpu")
 
     def _encode(self, prompts: list[str]) -> PromptCond:
         raise NotImplementedError
@@ -339,4 +396,6 @@ def pretrained_options(cfg) -> dict:
         "resolution": cfg.resolution if cfg.resolution > 0 else None,
         "guidance_scale": cfg.guidance_scale if cfg.guidance_scale > 0 else None,
         "max_sequence_length": getattr(cfg, "max_sequence_length", 0) or None,
+        "text_encoders": getattr(cfg, "text_encoders", "device"),
+        "base_quantization": getattr(cfg, "base_quantization", "none"),
     }

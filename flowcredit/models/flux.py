@@ -87,7 +87,10 @@ class FluxFlowModel(DiffusersFlowModel):
     def _encode(self, prompts: list[str]) -> PromptCond:
         """The pipeline's ``encode_prompt``: T5 ``embeds (B, L, 4096)``, CLIP ``pooled (B, 768)``; no null."""
         embeds, pooled, _ = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
+            prompt=prompts,
+            prompt_2=None,
+            device=self.text_device,
+            max_sequence_length=self.max_sequence_length,
         )
         return PromptCond(embeds, pooled)
 

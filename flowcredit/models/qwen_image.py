@@ -98,7 +98,7 @@ class QwenImageFlowModel(DiffusersFlowModel):
     def _encode(self, prompts: list[str]) -> QwenCond:
         """The pipeline's ``encode_prompt`` on the prompts (padded to the longest, with its mask) and,
         separately, on the negative prompt."""
-        kw = {"device": self.device, "max_sequence_length": self.max_sequence_length}
+        kw = {"device": self.text_device, "max_sequence_length": self.max_sequence_length}
         embeds, mask = self.pipe.encode_prompt(prompt=list(prompts), **kw)
         null_embeds, null_mask = self.pipe.encode_prompt(prompt=[self.negative_prompt], **kw)
         return QwenCond(embeds, mask, QwenCond(null_embeds, null_mask))

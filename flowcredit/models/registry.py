@@ -125,6 +125,9 @@ def load_model(cfg) -> FlowModel:
     if cfg.guidance_scale > 0:  # 0: the documented "keep the model's default"
         model.guidance_scale = cfg.guidance_scale
     apply_text_length(cfg, model)
+    from flowcredit.models.memory_options import apply_memory_options
+
+    apply_memory_options(cfg, model)  # the placement, decode chunk and quantisation the config names
     if cfg.autocast:
         if not hasattr(model, "autocast"):
             raise ConfigError("autocast", f"the {cfg.model!r} adapter has no autocast switch; see 'dtype'")

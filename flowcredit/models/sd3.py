@@ -73,7 +73,7 @@ class SD3FlowModel(DiffusersFlowModel):
             prompt=[*prompts, ""],
             prompt_2=None,
             prompt_3=None,
-            device=self.device,
+            device=self.text_device,
             do_classifier_free_guidance=False,
             max_sequence_length=self.max_sequence_length,
         )

@@ -109,7 +109,7 @@ class WanFlowModel(DiffusersFlowModel):
             prompt=[*prompts, self.negative_prompt],
             do_classifier_free_guidance=False,
             max_sequence_length=self.max_sequence_length,
-            device=self.device,
+            device=self.text_device,
         )
         pooled = embeds.new_zeros(embeds.shape[0], 0)
         b = len(prompts)

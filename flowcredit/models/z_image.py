@@ -91,7 +91,7 @@ class ZImageFlowModel(DiffusersFlowModel):
         text encoder's second-to-last hidden states, padding removed)."""
         embeds, _ = self.pipe.encode_prompt(
             prompt=[*prompts, self.negative_prompt],
-            device=self.device,
+            device=self.text_device,
             do_classifier_free_guidance=False,
             max_sequence_length=self.max_sequence_length,
         )

@@ -137,12 +137,14 @@ class Policy:
         value completions and evaluation. On exit the base weights are restored bit for bit from a
         copy (unmerging alone would leave round-off), so rollouts and updates, which run unmerged,
         see exactly the weights they saw before. Training parameters other than LoRA, or a sharded
-        network (FSDP2: peft cannot merge into ``DTensor`` shards): no-op, the layers run unmerged.
+        network (FSDP2: peft cannot merge into ``DTensor`` shards): no-op, the layers run unmerged; so
+        do layers over an 8-bit base (``base_quantization``: a merge would round the LoRA into 8 bits).
         """
         layers = [m for m in self._lora_layers() if hasattr(m, "base_layer")]
         if any(is_sharded(m.base_layer.weight) for m in layers):
             yield
             return
+        layers = [m for m in layers if type(m.base_layer.weight) in (nn.Parameter, torch.Tensor)]
         backups = [m.base_layer.weight.detach().clone() for m in layers]
         with torch.no_grad():
             for m in layers:
