@@ -21,6 +21,7 @@ from flowcredit.advantages import CREDITS, Credit
 from flowcredit.config import Config
 from flowcredit.errors import ConfigError, UserError, reading
 from flowcredit.models import FlowModel, check_adapter, load_model
+from flowcredit.models.memory_options import apply_memory_options
 from flowcredit.models.registry import apply_text_length
 from flowcredit.rewards import Reward, check_metadata, get_reward, parse_mix, uses_shapeeval
 from flowcredit.run.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -266,6 +267,7 @@ def _assemble(cfg: Config, dist: Dist, run_dir: Path, resume: bool, model, rewar
         model = load_model(cfg)
     else:
         check_adapter(model, type(model).__name__)
+        apply_memory_options(cfg, model)
     check_frame_stride(cfg.reward_frame_stride, getattr(model, "num_frames", 0))
     policy = Policy(
         model,
