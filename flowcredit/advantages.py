@@ -19,6 +19,9 @@ Methods (``CREDITS``; ``ADVANTAGES[name]`` is the bare function of each entry):
    the group.
 4. ``turning_point`` (TP-GRPO): ``d_i``, replaced at turning points by ``V_N − V_i``, balanced, then
    z-scored per (group, step). See :func:`turning_points`.
+5. ``coca`` (CoCA): ``flow_grpo``'s advantage scaled at each step by the share of the similarity gain
+   still to come (:mod:`flowcredit.contribution`), then z-scored again. Its ``values`` are not rewards
+   of states: ``needs="similarity"`` (:data:`NEEDS`).
 
 Deviation (our choice, TP-GRPO is silent): in balancing, a turning point whose aggregated reward is
 exactly 0 belongs to neither sign and returns to ``d_i``.
@@ -31,6 +34,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+from flowcredit.contribution import remaining_share, window_shares
 
 
 def _check(values: torch.Tensor, group: torch.Tensor, trained: torch.Tensor) -> None:
@@ -86,19 +91,24 @@ def flow_grpo(values, group, trained, *, eps=1e-4, adv_clip=5.0, global_std=Fals
     ``global_std=True``: ``std`` over the whole batch instead of the group (group mean kept).
     """
     _check(values, group, trained)
-    final = values[:, -1:].float()  # (B, 1)
-    ones = torch.ones_like(final, dtype=torch.bool)
-    if global_std:
-        adv = torch.zeros_like(final)
-        std = final.std(unbiased=False)
-        for g in torch.unique(group):
-            rows = group == g
-            if final[rows].max() > final[rows].min():
-                adv[rows] = (final[rows] - final[rows].mean()) / (std + eps)
-    else:
-        adv = group_zscore(final, group, ones, eps)
+    adv = terminal_zscore(values[:, -1:], group, eps, global_std)
     adv = adv.clamp(-adv_clip, adv_clip) * _broadcast_trained(trained, values.shape[0])
     return adv.float()
+
+
+def terminal_zscore(final: torch.Tensor, group: torch.Tensor, eps: float, global_std: bool) -> torch.Tensor:
+    """``(V_N − mean_g)/(std + eps)`` of ``final (B, 1)``: the group std, or with ``global_std`` the std of
+    the whole batch (group mean kept); a group whose rewards are all equal gives 0. Returns ``(B, 1)``."""
+    final = final.float()
+    if not global_std:
+        return group_zscore(final, group, torch.ones_like(final, dtype=torch.bool), eps)
+    adv = torch.zeros_like(final)
+    std = final.std(unbiased=False)
+    for g in torch.unique(group):
+        rows = group == g
+        if final[rows].max() > final[rows].min():
+            adv[rows] = (final[rows] - final[rows].mean()) / (std + eps)
+    return adv
 
 
 def dense(values, group, trained, *, eps=1e-4, adv_clip=5.0):
@@ -143,10 +153,10 @@ def _window(trained: torch.Tensor) -> tuple[int, int]:
     """First trained step w and window length K; the trained steps must be contiguous."""
     idx = torch.nonzero(trained, as_tuple=True)[0]
     if idx.numel() == 0:
-        raise ValueError("turning_point needs at least one trained step")
+        raise ValueError("turning_point and coca's span='window' need at least one trained step")
     w, k = int(idx[0]), int(idx.numel())
     if int(idx[-1]) != w + k - 1:
-        raise ValueError(f"turning_point needs a contiguous trained window, got steps {idx.tolist()}")
+        raise ValueError(f"the trained steps must be contiguous here, got steps {idx.tolist()}")
     return w, k
 
 
@@ -222,12 +232,69 @@ def turning_point(
     return group_zscore(rewards, group, mask, eps).clamp(-adv_clip, adv_clip)
 
 
+def coca(
+    values,
+    group,
+    trained,
+    *,
+    eps=1e-4,
+    adv_clip=5.0,
+    window=1,
+    alpha=0.0,
+    span="trajectory",
+    renorm="group",
+    global_std=False,
+):
+    """CoCA (arXiv 2505.19196): ``A_{b,i} = z(Â_b·(α + (1 − α)·s_{b,i}))`` on the trained steps.
+
+    ``Â_b`` = :func:`flow_grpo`'s clipped terminal advantage; ``s_{b,i} = Σ_{l ≥ i} w_{b,l}``, the share
+    of the cosine-similarity gain made from step i on (:func:`flowcredit.contribution.window_shares`,
+    ``window`` steps per window; ``s_0 = 1``); ``z`` a second z-score over all (member, trained step)
+    entries of each group (``renorm="group"``), of the whole batch (``"batch"``) or none (``"none"``);
+    then clipped to ``±adv_clip``. Sources (Lil-Shake/CoCA at d8233a5): ``scripts/train_coca.py``
+    L463-478 (``Â``), L482-490 (``s``, α = ``temporal_alpha``), L495-502 (``z``), L621-625 (the clip).
+
+    Args:
+        values: ``(B, N + 1)``: ``c_0 … c_{N−1}`` (``needs="similarity"``) and ``V_N``; ``c_N = 1``.
+        span: ``"trajectory"`` (the code: shares over all N steps, untrained ones included) or
+            ``"window"`` (over the contiguous trained steps only, from ``c_w`` to ``c_{w+K}``).
+        global_std: ``Â`` with the batch std (:func:`flow_grpo`'s option; the config field).
+    Returns:
+        ``(B, N)`` float32, 0 on untrained steps.
+    """
+    _check(values, group, trained)
+    if span not in ("trajectory", "window") or renorm not in ("group", "batch", "none"):
+        raise ValueError(
+            f"span: 'trajectory' or 'window'; renorm: 'group', 'batch' or 'none'; got {span!r}, {renorm!r}"
+        )
+    b, n = values.shape[0], values.shape[1] - 1
+    adv = terminal_zscore(values[:, -1:], group, eps, global_std).clamp(-adv_clip, adv_clip)  # (B, 1)
+    similarity = torch.cat([values[:, :-1].float(), torch.ones(b, 1)], dim=1)  # (B, N + 1), c_N = 1
+    lo, hi = (0, n) if span == "trajectory" else _span(trained)
+    share = torch.zeros(b, n)
+    share[:, lo:hi] = remaining_share(window_shares(similarity[:, lo : hi + 1], window, eps))
+    shaped = adv * (alpha + (1 - alpha) * share)  # (B, N): the code's temporal rewards
+    mask = _broadcast_trained(trained, b)
+    if renorm == "none":
+        return torch.where(mask, shaped, torch.zeros_like(shaped)).clamp(-adv_clip, adv_clip)
+    pools = group if renorm == "group" else torch.zeros_like(group)
+    return group_zscore(shaped, pools, mask, eps, per_column=False).clamp(-adv_clip, adv_clip)
+
+
+def _span(trained: torch.Tensor) -> tuple[int, int]:
+    """``(w, w + K)``: the contiguous trained steps (``span="window"``)."""
+    w, k = _window(trained)
+    return w, w + k
+
+
 AdvantageFn = Callable[..., torch.Tensor]
 """``(values (B, N + 1), group (B,), trained (N,), *, eps, adv_clip, **options) -> (B, N)``."""
 
-NEEDS = ("final", "states")
+NEEDS = ("final", "states", "similarity")
 """What a credit method reads: ``"final"`` = only ``V_N`` (the sampled image's reward);
-``"states"`` = also ``V_i`` at both ends of every trained step (completions of intermediate states)."""
+``"states"`` = also ``V_i`` at both ends of every trained step (completions of intermediate states);
+``"similarity"`` = ``V_N`` and, in place of ``V_0 … V_{N−1}``, ``c_i = cos(x̂0_i, x_N)`` with the
+rollout's one-step clean prediction ``x̂0_i = x_i − σ_i·v_i`` (CoCA; no completion, no reward call)."""
 
 
 @dataclass(frozen=True)
@@ -237,7 +304,7 @@ class Credit:
     Attributes:
         fn: the advantage function; it takes ``eps`` and ``adv_clip`` (shared by every method) and
             exactly the keywords named in ``options``.
-        needs: ``"final"`` or ``"states"`` (see :data:`NEEDS`).
+        needs: ``"final"``, ``"states"`` or ``"similarity"`` (see :data:`NEEDS`).
         options: ``{keyword: default}`` of the method's own options; the config gives them as
             ``credit_options`` (JSON), and an unknown key there is an error naming it.
         fields: ``{keyword: config field}`` for options that also have a config field of their own
@@ -297,4 +364,11 @@ register_credit(
     "states",
     {"constrained": True, "first_step": True, "balance": "group"},
     {"constrained": "tp_constrained", "first_step": "tp_first_step", "balance": "tp_balance"},
+)
+register_credit(
+    "coca",
+    coca,
+    "similarity",
+    {"window": 1, "alpha": 0.0, "span": "trajectory", "renorm": "group", "global_std": False},
+    {"global_std": "global_std"},
 )

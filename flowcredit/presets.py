@@ -112,6 +112,20 @@ def flow_dppo() -> Config:
     )
 
 
+def coca() -> Config:
+    """CoCA (Lil-Shake/CoCA at d8233a5, ``scripts/train_coca.py``, ``config/base.py``): Flow-GRPO's
+    recipe (Flow-SDE a = 0.7 on steps 0–8, group std, a noise per member) with its credit only changed:
+    ``coca``, the terminal advantage scaled at each step by the share of the cosine-similarity gain of
+    the clean predictions still to come, z-scored again per group (docs/algorithms.md §5.5). From the
+    code: ``temporal_alpha`` 0, the second z-score and the clip. Our choices: windows of 1 step, the
+    code's ten windows (5 steps each of its 50) on our 10 steps; the second z-score per prompt group
+    (the code's, over its whole batch when its prompts rarely repeat: ``renorm: "batch"``); shares
+    over the whole trajectory, the untrained last step included (``span: "window"``: the trained
+    steps only). The clean predictions reuse the rollout's velocities: Flow-GRPO's network calls. The
+    code's own base (DDPO on SD v1.4, DDIM η = 1, every step trained) is Flow-GRPO's here."""
+    return Config(sampler="flow_sde", noise_level=0.7, credit="coca")
+
+
 def diffusion_nft() -> Config:
     """DiffusionNFT (NVlabs/DiffusionNFT, ``config/nft.py``): deterministic rollouts by the old policy
     without CFG (``deterministic``, guidance 1), the forward-process loss with implicit positive and
@@ -243,11 +257,21 @@ for _name, _make in (
     ("awm", awm),
 ):
     register_preset(_name, _make, compared=False)
-NEWER_PRESETS = ("mixgrpo", "tempflow_grpo", "egrpo", "grpo_guard", "diffusion_nft", "awm", "flow_dppo")
+NEWER_PRESETS = (
+    "mixgrpo",
+    "tempflow_grpo",
+    "egrpo",
+    "grpo_guard",
+    "diffusion_nft",
+    "awm",
+    "flow_dppo",
+    "coca",
+)
 """The presets of the methods that came after the four this library started with (issues 39 and 60)."""
 # issue 60's, registered after issue 39's (tests/test_resume.py pairs each preset with a kill point by
 # its position in PRESETS; the mutation check names some of those pairs)
 register_preset("flow_dppo", flow_dppo, compared=False)
+register_preset("coca", coca, compared=False)
 
 
 def load_config(preset: str = "flow_grpo", yaml_path: str | None = None, overrides: list[str] | None = None):

@@ -39,7 +39,7 @@ from flowcredit.run.guard_plot import plot_guard
 from flowcredit.run.micro_batches import UpdateStats, micro_batches, param_spread
 from flowcredit.run.outputs import export_final, final_artifacts, run_label, start_notes
 from flowcredit.run.plans import iteration_plan, levels_of, sample
-from flowcredit.run.rollout import needed_states, seeded, state_values, uncond_given
+from flowcredit.run.rollout import needed_states, rollout_keeps, seeded, state_values, uncond_given
 from flowcredit.run.runlog import RunLog, plot_curves
 from flowcredit.run.session import Session, build_session
 from flowcredit.run.stopping import StopRequests
@@ -58,10 +58,9 @@ def grpo_iteration(s: Session, it: int) -> dict:
     with torch.no_grad():
         cond = model.encode(batch.prompts)
     sde_gen = seeded(cfg.seed, it, 2)  # the same on every rank: rollout keeps this rank's rows
+    opts = s.rollout_opts | rollout_keeps(s.credit.needs)  # CoCA: the velocities its similarities reuse
     with clock("rollout"), s.sampling_policy():
-        sam = sample(
-            model, cond, batch.group, batch.x0, plan, levels, s.step_fn, sde_gen, batch.rows, **s.rollout_opts
-        )
+        sam = sample(model, cond, batch.group, batch.x0, plan, levels, s.step_fn, sde_gen, batch.rows, **opts)
     ro, group, trained = sam.ro, sam.group, plan.trained  # group (B,): each row's prompt
     score = ScoreFn(s.reward, cfg.reward, batch.prompts, batch.metas, group, cfg.skip_bad_rewards)
     with clock("values"), s.policy.merged():  # values never enter logp_old: merged weights are safe

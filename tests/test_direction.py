@@ -19,7 +19,7 @@ from flowcredit.train import ppo_update
 
 # each credit method through the preset that uses it (dense: ψ from one calibration round)
 CREDIT_PRESETS = {"flow_grpo": "flow_grpo", "dense": "dense_grpo", "stepwise": "stepwise_grpo"}
-CREDIT_PRESETS["turning_point"] = "tp_grpo"
+CREDIT_PRESETS |= {"turning_point": "tp_grpo", "coca": "coca"}
 
 
 def test_every_built_in_credit_method_is_covered():

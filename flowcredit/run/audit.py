@@ -35,10 +35,12 @@ AUDIT_RULES: dict[str, list[str]] = {
     "dense_euler1": ["--credit", "dense", "--estimator", "euler", "--substeps", "1"],
     "stepwise": ["--credit", "stepwise", *STEPWISE],
     "turning_point": ["--credit", "turning_point", "--estimator", "ode_remaining"],
+    "coca": ["--credit", "coca"],
 }
 """The audited rules as the skill grid trains them (``bench_skill.SKILL_ARMS``): Flow-GRPO's terminal
 reward; DenseGRPO's gains with ODE-completed values and with one-step values; Stepwise-Flow-GRPO's
-euler(5) gains normalised jointly, uncentred; TP-GRPO's turning points with ODE values. Every other
+euler(5) gains normalised jointly, uncentred; TP-GRPO's turning points with ODE values; CoCA's
+terminal reward shared out by the similarity gains of the rollout's own clean predictions. Every other
 registered credit method is audited too, with the config's own estimator (:func:`audit_rules`)."""
 
 

@@ -7,7 +7,9 @@ and ``logp_old``; values are computed only for the states the method needs, all 
 trajectories batched in lock-step, then decoded and scored in one reward call. With an estimator that
 follows the schedule (``ode_remaining``), a state whose step is deterministic (std 0 on every row: ODE
 steps outside the SDE window, the last step of cps / ddim_sde) has ``V_i = V_{i+1}`` exactly, so it
-is copied, not recomputed.
+is copied, not recomputed. A method with ``needs="similarity"`` (CoCA) gets, in place of ``V_0 …
+V_{N−1}``, the cosine of each state's one-step clean prediction to the final latent, from the
+velocities the rollout kept (:func:`rollout_keeps`): no model call and no reward call of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from flowcredit.config import Config, trained_window
+from flowcredit.contribution import similarity_to_final
 from flowcredit.values import ESTIMATORS, complete
 
 
@@ -217,8 +220,15 @@ def recorded_velocity(model, x, sigma, cond, group, batch_size: int):
     return v, torch.cat(record).float().to(x.device)
 
 
+def rollout_keeps(needs: str) -> dict:
+    """The :func:`rollout` options a credit method's ``needs`` asks for: ``"similarity"`` keeps the
+    velocities (its clean predictions ``x − σ·v`` then cost no model call)."""
+    return {"keep_velocity": True} if needs == "similarity" else {}
+
+
 def needed_states(needs: str, trained: torch.Tensor) -> torch.Tensor:
-    """Bool ``(N + 1,)``: ``V_N`` always; with ``needs="states"`` also both ends of every trained step.
+    """Bool ``(N + 1,)``, the states whose reward a method needs: ``V_N`` always; with
+    ``needs="states"`` also both ends of every trained step (``"similarity"`` scores ``V_N`` only).
 
     ``needs`` is a credit method's :attr:`flowcredit.advantages.Credit.needs`.
     """
@@ -312,4 +322,23 @@ def state_values(
     for i in range(n - 1, -1, -1):
         if copy[i]:
             values[:, i] = values[:, i + 1]
+    if needs == "similarity":  # CoCA: c_0 … c_{N−1} in place of V_0 … V_{N−1}
+        values[:, :n], calls = clean_similarities(model, cond, group, ro, sigmas, batch_size)
+        nfe[0] += calls
     return values, nfe[0]
+
+
+def clean_similarities(model, cond, group, ro: Rollout, sigmas, batch_size: int = 64):
+    """CoCA's ``c (B, N)``: ``cos(x̂0_i, x_N)`` with ``x̂0_i = x_i − σ_i·v_i`` at every state ``i < N``
+    (:func:`one_step_clean`), from the rollout's own velocities when it kept them (no model call),
+    else from one call per state. Returns ``(c, nfe)`` with ``nfe`` = model calls × rows (0 or B·N)."""
+    b, n = ro.logp.shape
+    x = ro.states[:, :n].flatten(0, 1)  # (B·N, …) state i of row b at b·N + i
+    sigma = sigmas[:n].to(torch.float32).repeat(b)  # (B·N,)
+    if ro.velocities is not None:
+        v, calls = ro.velocities.flatten(0, 1), 0
+    else:
+        v = chunked_velocity(model, x, sigma, cond, group.repeat_interleave(n), batch_size).float()
+        calls = b * n
+    clean = one_step_clean(x, v, sigma).view(b, n, *x.shape[1:])  # (B, N, …)
+    return similarity_to_final(clean, ro.states[:, n]), calls
