@@ -1,5 +1,5 @@
 """The newer methods on every adapter (issues 39, 60): each preset of ``NEWER_PRESETS`` (mixgrpo,
-tempflow_grpo, egrpo, grpo_guard, diffusion_nft, awm, flow_dppo) on the built-in model and on the tiny
+tempflow_grpo, egrpo, grpo_guard, diffusion_nft, awm, flow_dppo, coca) on the built-in model and on the tiny
 random-config SD3, FLUX.1, Qwen-Image, Wan2.1 and Z-Image pipelines (tests/tiny_diffusers.py), each with
 its preset's own step schedule, SDE window, step weights and update rule, options included (no
 ``_options`` overrides: TempFlow-GRPO branches at every step but the last, E-GRPO merges its steps,

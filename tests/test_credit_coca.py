@@ -217,6 +217,23 @@ def test_the_registry_entry_and_its_options():
         load_config("coca", None, ["--credit_options", '{"window": "5"}'])
 
 
+def test_the_skill_arm_is_the_preset_with_coca_credit_at_its_network_calls():
+    """The pre-registered arm (docs/benchmarks.md, "CoCA's claim") changes the credit only and runs the
+    preset's 450 iterations: its values cost no network call."""
+    from flowcredit.commands.bench_skill import SKILL_ARMS, SKILL_CLAIMS, nominal_calls
+    from flowcredit.presets import load_config
+
+    base = load_config("skill")
+    arm = load_config("skill", None, SKILL_ARMS["coca"](base))
+    assert {k: v for k, v in vars(arm).items() if getattr(base, k) != v} == {"credit": "coca"}
+    assert nominal_calls(arm) == nominal_calls(base) and arm.iterations == 450
+    assert (
+        "skill-coca",
+        "CoCA: at least as good as Flow-GRPO at equal network calls",
+        "noninferior",
+    ) in SKILL_CLAIMS
+
+
 # --- the plumbing -------------------------------------------------------------------------------------
 
 

@@ -150,6 +150,7 @@ NO_CFG = [
 NFT = ["--update", "nft", "--sampler", "ode", "--steps_per_update", "9", *NO_CFG]
 AWM = ["--update", "awm", "--sampler", "flow_sde", "--noise_level", "0.57", "--window_size", "7"]
 AWM += ["--steps_per_update", "6", *NO_CFG]
+COCA = ["--credit", "coca"]
 
 SKILL_ARMS = {
     "tp": TP,
@@ -166,6 +167,7 @@ SKILL_ARMS = {
     "grpo_guard": lambda cfg: _equal_nfe(cfg, GUARD),
     "nft_quarter": lambda cfg: _equal_nfe(cfg, NFT, 0.25),
     "awm_quarter": lambda cfg: _equal_nfe(cfg, AWM, 0.25),
+    "coca": lambda cfg: _equal_nfe(cfg, COCA),
 }
 """The arms beside the preset (Flow-GRPO credit, CPS): TP-GRPO credit at the same iterations and at
 the preset's NFE; DenseGRPO (Dance-SDE with ψ calibrated on the frozen base, then dense gains; the
@@ -187,7 +189,9 @@ sliding over steps 0–4 every 25 iterations (``mixgrpo``); TempFlow-GRPO's bran
 (``egrpo``); GRPO-Guard's RatioNorm with its 1/Δt step weights (``grpo_guard``). DiffusionNFT and
 AWM as their code runs them (rollouts without CFG: DiffusionNFT's deterministic by the old policy,
 AWM's Flow-SDE a = 0.57 on steps 0–6; one optimizer step per iteration) at a quarter of the preset's
-network calls (``nft_quarter``, ``awm_quarter``), evaluated with the preset's CFG (w = 2) as every arm."""
+network calls (``nft_quarter``, ``awm_quarter``), evaluated with the preset's CFG (w = 2) as every arm.
+CoCA's credit (``coca``: the preset's rollout, its similarities from the rollout's own velocities, so
+the preset's iterations), pre-registered on 2026-12-06 and not run yet."""
 
 
 def training_curve(rows: list[dict]) -> dict[str, list[float]]:
