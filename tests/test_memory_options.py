@@ -232,3 +232,48 @@ def test_the_tiny_model_refuses_text_placement():
 
     with pytest.raises(ConfigError, match="text_encoders.*no separate text encoders"):
         load_model(dataclasses.replace(Config(), text_encoders="offload"))
+
+
+# --- the reward on the GPU only while it scores (the ``offload`` reward option) ---
+
+
+def toy_network_reward(*, scale: float = 1.0):
+    net = torch.nn.Linear(3, 1)
+    torch.nn.init.constant_(net.weight, scale)
+    torch.nn.init.zeros_(net.bias)
+
+    def fn(images, prompts, metadata):
+        return net(images.mean(dim=(2, 3))).squeeze(-1)
+
+    fn.modules = [net]
+    return fn
+
+
+def test_reward_offload_moves_the_network_only_while_scoring(monkeypatch):
+    from flowcredit.rewards import REWARDS, build_reward
+
+    monkeypatch.setitem(REWARDS, "toynet", toy_network_reward)
+    moves = []
+    real = memory_options.modules_on
+
+    def counting(modules, device, home):
+        moves.append((len(modules), str(device), home))
+        return real(modules, device, home)
+
+    monkeypatch.setattr(memory_options, "modules_on", counting)
+    images = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    plain = build_reward("toynet", {"scale": 2.0})(images, [""] * 4, [{}] * 4)
+    offloaded = build_reward("toynet", {"scale": 2.0, "offload": True})
+    assert moves == []
+    assert torch.equal(offloaded(images, [""] * 4, [{}] * 4), plain)
+    assert moves == [(1, "cpu", "cpu")] and offloaded.modules[0].weight.device.type == "cpu"
+
+
+def test_reward_offload_needs_a_network_and_a_bool(monkeypatch):
+    from flowcredit.errors import UserError
+    from flowcredit.rewards import build_reward
+
+    with pytest.raises(UserError, match="'jpeg_compressibility'.*offload.*networks of its own"):
+        build_reward("jpeg_compressibility", {"offload": True})
+    with pytest.raises(UserError, match="offload.*true or false"):
+        build_reward("jpeg_compressibility", {"offload": "yes"})

@@ -15,6 +15,7 @@ Takes 10–60 s and a few GB of host memory on the CPU (the weights are never al
 from __future__ import annotations
 
 import json
+import shlex
 
 from flowcredit.cli_args import ArgParser, add_config_fields
 
@@ -55,6 +56,17 @@ def _parser() -> ArgParser:
         action="store_true",
         help="1-layer text encoders with the real widths (the 2026-11-29 GPU check's pipeline)",
     )
+    p.add_argument(
+        "--memory_budget",
+        default="",
+        help="a GPU size such as 24GiB: choose the plan options that fit it (printed as flags for train), "
+        "or fail naming the phase that does not fit",
+    )
+    p.add_argument(
+        "--allow_quantization",
+        action="store_true",
+        help="with --memory_budget: the plan may store the frozen base in 8 bits (changes the numbers)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table (GiB)")
     add_config_fields(p)
     return p
@@ -70,7 +82,10 @@ def format_table(result: dict) -> str:
         f"batch_size {st['batch_size']} ({st['transformer_rows']} transformer rows), "
         f"LoRA r {st['lora_rank']}, "
         f"gradient checkpointing {'on' if st['gradient_checkpointing'] else 'off'}, "
-        f"text encoders {st['text_encoders']}"
+        f"text encoders {st['text_encoder_size']} ({st['text_encoders']}), "
+        f"decode chunk {st['decode_chunk']}, "
+        f"base {st['base_quantization']}, reward {st['reward']}"
+        + (f" ({st['reward_network']})" if st["reward_network"] else " (no network counted)")
     )
     lines = [head, "", f"| phase (GiB) | {' | '.join(PARTS)} | peak |", "|---" * (len(PARTS) + 2) + "|"]
     for phase, part in result["phases"].items():
@@ -84,17 +99,52 @@ def format_table(result: dict) -> str:
             f"  (math kernel: {result['attention_correction'] / GIB:.2f} GiB of N×N probabilities taken out, "
             "as the GPU's flash / memory-efficient kernels save an O(N) logsumexp instead)"
         )
-    lines.append("not counted: the CUDA context, allocator fragmentation, the reward model's own network")
+    lines.append("not counted: the CUDA context, allocator fragmentation")
+    return "\n".join(lines)
+
+
+def format_plan(plan: dict) -> str:
+    """The budget's plan: the flags to add, its table, what was tried and the time it costs."""
+    from flowcredit.commands.memory_plan import GIB
+
+    flags = " ".join(f"--{k} {shlex.quote(str(v).replace('True', 'true'))}"
+                     for k, v in plan["changes"].items())  # fmt: skip
+    cost = plan["time_cost"]
+    lines = [
+        f"fits {plan['budget'] / GIB:.0f} GiB (keeping {plan['headroom'] / GIB:.0f} GiB for the CUDA context "
+        f"and fragmentation) with: {flags or 'the settings as given'}",
+        "",
+        format_table(plan["estimate"]),
+        "",
+        "tried: "
+        + "; ".join(
+            f"{', '.join(t['changes']) or 'as given'} → {t['peak'] / GIB:.1f} GiB ({t['peak_phase']})"
+            for t in plan["tried"]
+        ),  # fmt: skip
+        f"time cost against the settings as given: compute × {cost['compute_ratio']:.2f} "
+        f"(+{cost['transformer_forwards_added']:.0f} transformer forwards per iteration), model calls "
+        f"{cost['model_calls'][0]} → {cost['model_calls'][1]}, VAE calls {cost['vae_calls'][0]} → "
+        f"{cost['vae_calls'][1]}, host↔device copies {cost['host_link_bytes'] / GIB:.1f} GiB "
+        f"(≈ {cost['host_link_seconds']:.1f} s at 25 GB/s) per iteration",
+    ]
+    if cost["base_quantization"] != "none":
+        lines.append(f"base stored in {cost['base_quantization']}: the numbers change (not a default)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flowcredit.commands.memory_budget import fit, parse_bytes
     from flowcredit.commands.memory_plan import estimate
     from flowcredit.presets import load_config
 
     args, rest = _parser().parse_with_overrides(argv)
     cfg = load_config(args.preset, args.config, [*([] if args.config else PAPERS), *rest])
     size = args.size or ("dev" if cfg.model == "flux" else "medium")
+    if args.memory_budget:
+        budget = parse_bytes(args.memory_budget)
+        plan = fit(cfg, budget, size, args.tiny_text_encoders, args.allow_quantization)
+        print(json.dumps(plan, indent=1) if args.json else format_plan(plan))
+        return 0
     result = estimate(cfg, size, tiny_text=args.tiny_text_encoders)
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0

@@ -9,7 +9,7 @@ import weakref
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -33,7 +33,8 @@ class LiveStorages(TorchDispatchMode):
             self.kernels.add(name.split(".")[0])
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self._track(t.untyped_storage())
+                for storage in storages(t):
+                    self._track(storage)
         return out
 
     def _track(self, storage) -> None:
@@ -52,16 +53,27 @@ class LiveStorages(TorchDispatchMode):
         self.peak = self.current
 
 
+def storages(t: torch.Tensor):
+    """The storages holding ``t``'s data: its own, or its inner tensors' for a wrapper subclass (torchao's
+    8-bit weights: the 8-bit data and the scales)."""
+    if is_traceable_wrapper_subclass(t):
+        for name in t.__tensor_flatten__()[0]:
+            yield from storages(getattr(t, name))
+    else:
+        yield t.untyped_storage()
+
+
 def storage_keys(*objects) -> set[int]:
     """The storage keys of every tensor among ``objects`` (modules: parameters and buffers)."""
-    return {t.untyped_storage()._cdata for t in _tensors(objects)}
+    return {st._cdata for t in _tensors(objects) for st in storages(t)}
 
 
 def storage_bytes(*objects) -> int:
     """Bytes of the distinct storages of every tensor among ``objects``."""
     seen = {}
     for t in _tensors(objects):
-        seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        for st in storages(t):
+            seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 
 
@@ -85,11 +97,11 @@ def saved_for_backward(weights: set[int]):
     saved, square = {}, {}
 
     def pack(t):
-        st = t.untyped_storage()
-        if st._cdata not in weights:
-            saved[st._cdata] = st.nbytes()
-            if t.dim() >= 3 and t.shape[-1] == t.shape[-2] >= 64:
-                square[st._cdata] = st.nbytes()
+        for st in storages(t):
+            if st._cdata not in weights:
+                saved[st._cdata] = st.nbytes()
+                if t.dim() >= 3 and t.shape[-1] == t.shape[-2] >= 64:
+                    square[st._cdata] = st.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

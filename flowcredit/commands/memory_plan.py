@@ -29,7 +29,6 @@ the math kernel ran instead, the saved N×N probabilities are taken out (``atten
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,175 +37,21 @@ import torch
 from torch import nn
 
 from flowcredit.commands.memory_count import LiveStorages, saved_for_backward, storage_bytes, storage_keys
+from flowcredit.commands.memory_models import (
+    PROMPT,
+    SIZES,
+    build_fake_model,
+    default_dtype,
+    fake_building,
+    reward_networks,
+    scheduler_of,
+)
 from flowcredit.config import Config
-from flowcredit.errors import ConfigError
+from flowcredit.models.memory_options import tensor_bytes
 
 GIB = 2**30
 PHASES = ("text_encoding", "rollout", "values", "reward", "update", "evaluation")
 PARTS = ("weights", "gradients", "optimizer", "activations", "temporaries")
-PROMPT = "a photo of a red cat next to a big blue square on the sign"
-
-SD35_MEDIUM = {  # stabilityai/stable-diffusion-3.5-medium transformer/config.json
-    **dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, pos_embed_max_size=384),
-    **dict(num_layers=24, attention_head_dim=64, num_attention_heads=24, qk_norm="rms_norm"),
-    **dict(joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048),
-    "dual_attention_layers": tuple(range(13)),
-}
-SD35_LARGE = {  # stabilityai/stable-diffusion-3.5-large transformer/config.json
-    **dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, pos_embed_max_size=192),
-    **dict(num_layers=38, attention_head_dim=64, num_attention_heads=38, qk_norm="rms_norm"),
-    **dict(joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048),
-}
-SD3_VAE = {  # its vae/config.json
-    **dict(latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2),
-    **dict(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4),
-    **dict(sample_size=1024, scaling_factor=1.5305, shift_factor=0.0609, norm_num_groups=32),
-    **dict(use_quant_conv=False, use_post_quant_conv=False),
-}
-FLUX_DEV = dict(guidance_embeds=True)  # black-forest-labs/FLUX.1-dev: diffusers' defaults otherwise (11.9 B)
-FLUX_VAE = SD3_VAE | dict(scaling_factor=0.3611, shift_factor=0.1159)
-CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12)
-CLIP_L |= dict(
-    num_attention_heads=12, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu"
-)
-CLIP_G = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32)
-CLIP_G |= dict(num_attention_heads=20, max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")
-T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
-T5_XXL |= dict(feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
-TINY_TEXT = dict(num_hidden_layers=1, intermediate_size=64, num_attention_heads=1)
-"""``text_encoders="tiny"``: 1-layer encoders with the real output widths (the 2026-11-29 GPU check's)."""
-SIZES = {"sd3": {"medium": SD35_MEDIUM, "large": SD35_LARGE}, "flux": {"dev": FLUX_DEV}}
-
-
-@contextlib.contextmanager
-def fake_building(dtype: torch.dtype):
-    """Build modules on fake CPU tensors in ``dtype``; ``Module.to`` is a no-op meanwhile (fake
-    parameters cannot be swapped, and the device and dtype are set at construction)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-
-    @contextlib.contextmanager
-    def building(dtype):
-        saved_to, saved_dtype = nn.Module.to, torch.get_default_dtype()
-        nn.Module.to = lambda self, *args, **kwargs: self
-        torch.set_default_dtype(dtype)
-        try:
-            with mode:
-                yield
-        finally:
-            nn.Module.to = saved_to
-            torch.set_default_dtype(saved_dtype)
-
-    with building(dtype):
-        yield SimpleNamespace(mode=mode, building=building)
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(saved)
-
-
-def word_tokenizer(max_length: int):
-    """A word-level tokenizer that pads to ``max_length`` (token ids, not the real vocabulary: the
-    memory depends on the sequence length only)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["[PAD]", "[UNK]", "[EOS]", *PROMPT.split()]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        eos_token="[EOS]",
-        model_max_length=max_length,
-    )
-
-
-def text_encoders(model: str, tiny: bool, dtype: torch.dtype) -> dict:
-    """The pipeline's text encoders and tokenizers at real size (or 1-layer, ``tiny``), in ``dtype``."""
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModel,
-        CLIPTextModelWithProjection,
-        T5Config,
-        T5EncoderModel,
-    )
-
-    shrink = TINY_TEXT if tiny else {}
-    t5 = T5_XXL | (dict(num_layers=1, d_ff=64, num_heads=1, vocab_size=64) if tiny else {})
-    with default_dtype(dtype):
-        clip_l = CLIPTextConfig(**(CLIP_L | shrink), eos_token_id=2, pad_token_id=0)
-        t5_model = T5EncoderModel(T5Config(**t5, pad_token_id=0, eos_token_id=2))
-        if model == "flux":
-            return dict(
-                text_encoder=CLIPTextModel(clip_l),
-                tokenizer=word_tokenizer(77),
-                text_encoder_2=t5_model,
-                tokenizer_2=word_tokenizer(512),
-            )
-        clip_g = CLIPTextConfig(**(CLIP_G | shrink), eos_token_id=2, pad_token_id=0)
-        return dict(
-            text_encoder=CLIPTextModelWithProjection(clip_l),
-            tokenizer=word_tokenizer(77),
-            text_encoder_2=CLIPTextModelWithProjection(clip_g),
-            tokenizer_2=word_tokenizer(77),
-            text_encoder_3=t5_model,
-            tokenizer_3=word_tokenizer(512),
-        )
-
-
-def scheduler_of(model: str):
-    """The checkpoint's scheduler (built outside the fake mode: its constructor reads numbers back)."""
-    import diffusers
-
-    if model == "sd3":
-        return diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
-    return diffusers.FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15
-    )
-
-
-def build_fake_model(cfg: Config, size: str, scheduler, tiny_text: bool = False):
-    """The SD3 / FLUX.1 adapter over a real-size pipeline of fake tensors (call inside
-    :func:`fake_building`): transformer and text encoders in ``cfg.dtype``, VAE in float32."""
-    import diffusers
-
-    from flowcredit.models.diffusers_common import pretrained_options, resolve_dtype
-
-    dtype = resolve_dtype(cfg.dtype if cfg.dtype != "auto" else "bfloat16")
-    if cfg.model not in SIZES:
-        raise ConfigError("model", f"{cfg.model!r}: `flowcredit memory` knows {sorted(SIZES)}")
-    if size not in SIZES[cfg.model]:
-        raise ConfigError("size", f"{size!r} for {cfg.model}: one of {sorted(SIZES[cfg.model])}")
-    with default_dtype(dtype):
-        if cfg.model == "sd3":
-            net = diffusers.SD3Transformer2DModel(**SIZES["sd3"][size])
-        else:
-            net = diffusers.FluxTransformer2DModel(**SIZES["flux"][size])
-    with default_dtype(torch.float32):
-        vae = diffusers.AutoencoderKL(**(SD3_VAE if cfg.model == "sd3" else FLUX_VAE))
-    texts = text_encoders(cfg.model, tiny_text, dtype)
-    opts = pretrained_options(cfg)
-    if cfg.model == "sd3":
-        from flowcredit.models.sd3 import SD3FlowModel
-
-        pipe = diffusers.StableDiffusion3Pipeline(transformer=net, scheduler=scheduler, vae=vae, **texts)
-        model = SD3FlowModel(pipe, opts["resolution"], opts["guidance_scale"], opts["max_sequence_length"])
-    else:
-        from flowcredit.models.flux import FluxFlowModel
-
-        pipe = diffusers.FluxPipeline(transformer=net, scheduler=scheduler, vae=vae, **texts)
-        model = FluxFlowModel(pipe, opts["resolution"], opts["guidance_scale"], opts["max_sequence_length"])
-    pipe.set_progress_bar_config(disable=True)
-    return model
 
 
 def estimate(cfg: Config, size: str = "medium", tiny_text: bool = False) -> dict:
@@ -215,6 +60,16 @@ def estimate(cfg: Config, size: str = "medium", tiny_text: bool = False) -> dict
     Returns ``{"phases": {phase: {part: bytes, "peak": bytes}}, "peak": bytes, "peak_phase": str,
     "attention_kernel": str, "attention_correction": bytes, "settings": {...}}``.
     """
+    built = build(cfg, size, tiny_text)
+    return run_phases(built.cfg, built.model, built.policy, built.reward) | {"settings": settings_of(built)}
+
+
+def build(cfg: Config, size: str = "medium", tiny_text: bool = False) -> SimpleNamespace:
+    """The fake real-size model of ``cfg`` (its base quantised as ``cfg`` says), its policy and the
+    reward's networks: ``SimpleNamespace(cfg, size, tiny_text, model, policy, reward)``. Settings that
+    only change what runs (batch, decode chunk, checkpointing, placements) can reuse one build."""
+    from flowcredit.models.memory_options import check_memory_options, quantize_base
+
     if cfg.model == "flux" and size == "medium":
         size = "dev"
     dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16"
@@ -223,18 +78,25 @@ def estimate(cfg: Config, size: str = "medium", tiny_text: bool = False) -> dict
     scheduler = scheduler_of(cfg.model) if cfg.model in SIZES else None
     with fake_building(torch_dtype) as fake:
         model = build_fake_model(cfg, size, scheduler, tiny_text)
+        check_memory_options(cfg, model)
+        if cfg.base_quantization != "none":
+            quantize_base(model.net, cfg.base_quantization)
+        reward = reward_networks(cfg)
     # the phases run outside the fake mode: the fake weights make every op they touch fake, while the
     # schedule, the step indices and the host's small tensors stay real (step_loss reads them back)
     with fake.building(torch_dtype):
         policy = make_policy(cfg, model)
-    return run_phases(cfg, model, policy) | {"settings": settings_of(cfg, size, tiny_text, model)}
+    return SimpleNamespace(cfg=cfg, size=size, tiny_text=tiny_text, model=model, policy=policy, reward=reward)
 
 
-def settings_of(cfg: Config, size: str, tiny_text: bool, model) -> dict:
+def settings_of(built: SimpleNamespace, cfg: Config | None = None) -> dict:
+    """What an estimate assumed: ``built``'s model and ``cfg`` (default: the one it was built for)."""
+    cfg, model, reward = cfg or built.cfg, built.model, built.reward
+    dtype_name = str(reward.dtype).removeprefix("torch.") if reward is not None else ""
     rows = cfg.batch_size * model.guidance_passes
     return dict(
         model=cfg.model,
-        size=size,
+        size=built.size,
         dtype=cfg.dtype,
         resolution=[model.height, model.width],
         batch_size=cfg.batch_size,
@@ -246,7 +108,12 @@ def settings_of(cfg: Config, size: str, tiny_text: bool, model) -> dict:
         gradient_checkpointing=cfg.gradient_checkpointing,
         cfg_uncond_grad=cfg.cfg_uncond_grad,
         beta=cfg.beta,
-        text_encoders="tiny" if tiny_text else "full",
+        text_encoder_size="tiny" if built.tiny_text else "full",
+        text_encoders=cfg.text_encoders,
+        decode_chunk=cfg.decode_chunk or type(model).decode_chunk,
+        base_quantization=cfg.base_quantization,
+        reward=cfg.reward,
+        reward_network=None if reward is None else f"{reward.name}, {dtype_name}, {reward.placement}",
     )
 
 
@@ -266,14 +133,37 @@ def make_policy(cfg: Config, model):
         )
 
 
-def run_phases(cfg: Config, model, policy) -> dict:
-    """Each phase of one iteration on ``model`` (any adapter, fake or real tensors) and its
-    ``policy`` (:func:`make_policy`) under :class:`LiveStorages`; see :func:`estimate`."""
+def phase_weights(cfg: Config, model, reward, everything: int) -> dict[str, int]:
+    """Bytes of weights on the GPU in each phase: ``everything`` (the pipeline and any reference copy),
+    less the text encoders where ``cfg.text_encoders`` keeps them off it, plus the reward's networks
+    where their placement puts them on it (:func:`~.memory_models.reward_networks`)."""
+    from flowcredit.models.memory_options import text_encoder_modules
+
+    text = storage_bytes(*text_encoder_modules(model.pipe))
+    net = storage_bytes(*reward.modules) if reward is not None else 0
+    out = {}
+    for phase in PHASES:
+        text_away = cfg.text_encoders == "cpu" or (
+            cfg.text_encoders == "offload" and phase != "text_encoding"
+        )
+        net_here = reward is not None and (
+            reward.placement == "device" or (reward.placement == "offload" and phase == "reward")
+        )
+        out[phase] = everything - text * text_away + net * net_here
+    return out
+
+
+def run_phases(cfg: Config, model, policy, reward=None) -> dict:
+    """Each phase of one iteration on ``model`` (any adapter, fake or real tensors), its ``policy``
+    (:func:`make_policy`) and the ``reward``'s networks (:func:`~.memory_models.reward_networks`, or
+    None) under :class:`LiveStorages`; see :func:`estimate`."""
     from flowcredit.run.distributed import Dist
     from flowcredit.run.rollout import chunked_velocity, noise_levels
     from flowcredit.run.session import Session, configure_network
 
     configure_network(replace(cfg, compile=False), model)
+    if hasattr(model, "decode_chunk"):
+        model.decode_chunk = cfg.decode_chunk or type(model).decode_chunk
     params = policy.parameters()
     s = Session(
         cfg=cfg,
@@ -291,7 +181,8 @@ def run_phases(cfg: Config, model, policy) -> dict:
     )
     modules = [m for m in model.pipe.components.values() if isinstance(m, nn.Module)]
     modules += [policy.frozen_net] if policy.frozen_net is not None else []
-    weights = storage_bytes(*modules, model.net)
+    weights = phase_weights(cfg, model, reward, storage_bytes(*modules, model.net))
+    modules += reward.modules if reward is not None else []
     for p in params:  # the optimizer's state, as after the first update
         p.grad = torch.zeros_like(p)
     s.optimizer.step()
@@ -316,12 +207,14 @@ def run_phases(cfg: Config, model, policy) -> dict:
         counter = LiveStorages(resident)
         with counter:
             saved, square = fn() or ({}, {})
+        if saved is None:  # the phase ran off the GPU: ``square`` holds what it left there
+            counter.peak, saved, square = square, {}, {}
         kernels.update(counter.kernels)
         act = sum(saved.values())
         if square and not any("attention" in k for k in counter.kernels):  # the math kernel ran
             correction = sum(square.values())  # its N×N probabilities: GPU kernels save O(N) instead
             act -= correction
-        part = dict(weights=weights, gradients=grads if grads_live else 0, optimizer=optimizer)
+        part = dict(weights=weights[name], gradients=grads if grads_live else 0, optimizer=optimizer)
         part |= dict(activations=act, temporaries=max(0, counter.peak - act - correction * bool(saved)))
         part["peak"] = sum(part[k] for k in PARTS)
         out[name] = part
@@ -333,6 +226,8 @@ def run_phases(cfg: Config, model, policy) -> dict:
         model._cache = None
         with torch.no_grad():
             model.encode(prompts)
+        if cfg.text_encoders == "cpu":  # encoded on the host: only the encoding comes to the GPU
+            return None, tensor_bytes(cond)
 
     def rollout():
         with torch.no_grad(), s.sampling_policy():
@@ -350,9 +245,15 @@ def run_phases(cfg: Config, model, policy) -> dict:
                 chunked_velocity(model, x, sigma, cond, group, b)
             model.decode(finals)
 
-    def reward():
+    def reward_phase():
         with torch.no_grad():
-            model.decode(finals)
+            images = model.decode(finals)
+            if reward is not None and reward.placement != "cpu":  # its towers on a batch of 224 px crops
+                crops = torch.nn.functional.interpolate(images[:1], size=(224, 224)).expand(
+                    reward.batch, -1, -1, -1
+                )
+                reward.clip.vision_model(pixel_values=crops.to(reward.dtype))
+                reward.clip.text_model(input_ids=torch.zeros((reward.batch, 77), dtype=torch.long))
 
     def update():
         from flowcredit.train import step_loss
@@ -376,7 +277,7 @@ def run_phases(cfg: Config, model, policy) -> dict:
 
     for name, fn in [("text_encoding", text_encoding), ("rollout", rollout), ("values", values)]:
         measure(name, fn)
-    measure("reward", reward)
+    measure("reward", reward_phase)
     measure("update", update, grads_live=True)
     measure("evaluation", evaluation)
     fused = sorted(k for k in kernels if "attention" in k)

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 from collections import OrderedDict
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from flowcredit.errors import ConfigError
 
@@ -160,7 +160,6 @@ def quantize_base(net: nn.Module, kind: str) -> int:
     """Store the Linear weights of ``net``'s blocks (:data:`QUANTIZED_BLOCKS`) in 8 bits with torchao's
     weight-only configs (``float8``: ``Float8WeightOnlyConfig``, ``int8``: ``Int8WeightOnlyConfig``);
     returns how many layers changed. Needs ``pip install 'flowcredit[quant]'`` (torchao)."""
-    logging.getLogger("torchao").setLevel(logging.ERROR)  # its CUDA kernels' libraries fail on a CPU torch
     try:
         import torchao.quantization as tq
     except ImportError as exc:
@@ -170,7 +169,7 @@ def quantize_base(net: nn.Module, kind: str) -> int:
     config = {"float8": tq.Float8WeightOnlyConfig, "int8": tq.Int8WeightOnlyConfig}[kind]()
     linears = ((n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear))
     blocks = {n: m for n, m in linears if n.startswith(QUANTIZED_BLOCKS)}
-    chosen = {n for n, m in blocks.items() if type(m.weight) is nn.Parameter}  # not yet quantised
+    chosen = {n for n, m in blocks.items() if not is_traceable_wrapper_subclass(m.weight)}  # not yet 8-bit
     if blocks and not chosen:  # done already (the loader quantised before the move to the device)
         return 0
     if not chosen:

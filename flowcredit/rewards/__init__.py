@@ -202,6 +202,37 @@ def build_reward(name: str, options: dict | None = None) -> RewardFn:
     a corrupt one, a bad option value, a missing optional package) is one :class:`UserError` naming
     the reward, even from a factory outside this package (:func:`_factory_error`)."""
     options = dict(options or {})
+    offload = options.pop("offload", False)
+    if offload not in (True, False):
+        raise UserError(f"reward {name!r}: option 'offload' must be true or false, got {offload!r}")
+    fn = _built(name, options)
+    return offloaded(name, fn) if offload else fn
+
+
+def offloaded(name: str, fn: RewardFn) -> RewardFn:
+    """``fn`` with its networks (``fn.modules``) on the host between calls and on their device during
+    one (the ``offload`` reward option: GPU memory only while scoring, two copies per call)."""
+    import torch
+
+    from flowcredit.models.memory_options import modules_on
+
+    modules = getattr(fn, "modules", None)
+    if not modules:
+        raise UserError(f"reward {name!r}: option 'offload' needs a reward with networks of its own "
+                        "(pickscore, clipscore, aesthetic, clip_product_head, hps, imagereward)")  # fmt: skip
+    device = next(modules[0].parameters()).device
+    for module in modules:
+        module.to("cpu")
+
+    def run(images, prompts, metadata):
+        with modules_on(modules, device, "cpu"), torch.no_grad():
+            return fn(images, prompts, metadata)
+
+    run.modules = modules
+    return run
+
+
+def _built(name: str, options: dict) -> RewardFn:
     if name in REWARDS:
         factory = REWARDS[name]
     elif ":" in name:

@@ -189,6 +189,17 @@ def _apply_head(layers, x: torch.Tensor) -> torch.Tensor:
     return x.squeeze(-1)
 
 
+def batched_reward(one, batch_size: int, *modules):
+    """The reward function that scores ``batch_size`` images at a time with ``one(images, prompts)``;
+    its ``modules`` attribute names its networks (the ``offload`` option moves them, rewards/__init__)."""
+
+    def fn(images, prompts, metadata):
+        return _batched(one, images, prompts, batch_size)
+
+    fn.modules = list(modules)
+    return fn
+
+
 def _batched(fn, images: torch.Tensor, prompts: list[str], batch_size: int) -> torch.Tensor:
     if len(prompts) != images.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {len(prompts)} prompts")
@@ -207,7 +218,7 @@ def pickscore(*, model_dir, divisor: float = 1.0, device=None, dtype="float32", 
     def one(images, prompts):
         return scale * (clip.image_embeds(images) * clip.text_embeds(prompts)).sum(-1) / divisor
 
-    return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
+    return batched_reward(one, batch_size, clip.model)
 
 
 def clipscore(
@@ -220,7 +231,7 @@ def clipscore(
         cos = (clip.image_embeds(images) * clip.text_embeds([prefix + p for p in prompts])).sum(-1)
         return weight * cos.clamp(min=0)
 
-    return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
+    return batched_reward(one, batch_size, clip.model)
 
 
 def aesthetic(*, model_dir, head_path=None, device=None, dtype="float32", batch_size: int = 32):
@@ -235,7 +246,7 @@ def aesthetic(*, model_dir, head_path=None, device=None, dtype="float32", batch_
     def one(images, prompts):
         return _apply_head(head, clip.image_embeds(images))
 
-    return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
+    return batched_reward(one, batch_size, clip.model)
 
 
 def clip_product_head(
@@ -260,4 +271,4 @@ def clip_product_head(
     def one(images, prompts):
         return (_apply_head(head, clip.image_embeds(images) * clip.text_embeds(prompts)) - mean) / std
 
-    return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
+    return batched_reward(one, batch_size, clip.model)

@@ -38,8 +38,8 @@ from flowcredit.rewards.clip import (
     _DTYPES,
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
-    _batched,
     _existing,
+    batched_reward,
     check_dtype,
     option,
 )
@@ -199,7 +199,7 @@ def hps(*, checkpoint, model_name="ViT-H-14", bpe_path=None, device=None, dtype=
     def one(images, prompts):
         return (bundle.image_embeds(images) * bundle.text_embeds(prompts)).sum(-1)
 
-    return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
+    return batched_reward(one, batch_size, bundle.model)
 
 
 def read_released(path) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from torch import nn
 
 from flowcredit.errors import PathError, reading
 from flowcredit.models.diffusers_common import default_device
-from flowcredit.rewards.clip import _DTYPES, _batched, _existing, check_dtype, option, preprocess
+from flowcredit.rewards.clip import _DTYPES, _existing, batched_reward, check_dtype, option, preprocess
 
 NAME = "imagereward"
 MODEL_DIR = option(NAME, "model_dir")
@@ -229,4 +229,4 @@ def imagereward(*, model_dir, device=None, dtype="float32", batch_size: int = 32
         raw = model(pixels, tok["input_ids"].to(device), tok["attention_mask"].to(device))
         return (raw.float() - mean) / std
 
-    return lambda images, prompts, metadata: _batched(one, images, prompts, batch_size)
+    return batched_reward(one, batch_size, model)

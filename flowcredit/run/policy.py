@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from flowcredit.errors import ConfigError, UserError
 from flowcredit.run.sharding import is_sharded, shard_like
@@ -144,7 +145,7 @@ class Policy:
         if any(is_sharded(m.base_layer.weight) for m in layers):
             yield
             return
-        layers = [m for m in layers if type(m.base_layer.weight) in (nn.Parameter, torch.Tensor)]
+        layers = [m for m in layers if not is_traceable_wrapper_subclass(m.base_layer.weight)]
         backups = [m.base_layer.weight.detach().clone() for m in layers]
         with torch.no_grad():
             for m in layers:
