@@ -3,7 +3,8 @@
 
 - ``text_encoders`` 'offload' / 'cpu': the same encodings (a prompt encoded in another batch may differ
   in the last bits: tolerance 1e-6 in float32), the encoders moved to the device only for prompts not yet
-  cached, and one training iteration with the same weights (tolerance 1e-6) as 'device'.
+  cached, and one training iteration with the same rewards, advantages, loss and gradient norm (relative
+  1e-5) as 'device'; so do ``decode_chunk`` 1 and ``batch_size`` 2.
 - ``decode_chunk``: images of chunk 1 = chunk 8 within 1e-5 (convolutions' batch-size rounding).
 - The reference policy is LoRA switched off, no copy; the optimizer holds LoRA state only.
 - ``base_quantization`` float8 / int8 (torchao): 8-bit block weights, velocities within 5 % (RMS) of the
@@ -153,12 +154,14 @@ def test_training_with_the_plan_options_keeps_the_numbers(dirs, kind, tmp_path):
         "offload": dict(text_encoders="offload"),
         "cpu": dict(text_encoders="cpu"),
         "chunk1": dict(decode_chunk=1),
+        "batch2": dict(batch_size=2),  # rows per model call: the group of 2 × 2 by accumulation
     }.items():
         weights, row = run_once(dirs, kind, tmp_path, name, **fields)
         assert set(weights) == set(base)
-        assert all(close(weights[k], base[k], ENCODING_TOL) for k in base), name
-        for key in ("reward/mean", "eval/test/soft", "stats/grad_norm"):
-            assert abs(row[key] - base_row[key]) <= 1e-5, (name, key)
+        # the iteration's quantities, continuous in the inputs; not the weights after Adam's first step,
+        # whose sign of a near-zero gradient component may flip with the last bit (a step of ±lr)
+        for key in ("reward/mean", "eval/test/soft", "adv/abs_mean", "stats/grad_norm", "loss/policy"):
+            assert abs(row[key] - base_row[key]) <= 1e-5 * max(1.0, abs(base_row[key])), (name, key)
         assert (
             json.loads((tmp_path / name / "config.json").read_text())[next(iter(fields))]
             == fields[next(iter(fields))]

@@ -29,6 +29,7 @@ the math kernel ran instead, the saved N×N probabilities are taken out (``atten
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,7 +48,7 @@ from flowcredit.commands.memory_models import (
     scheduler_of,
 )
 from flowcredit.config import Config
-from flowcredit.models.memory_options import tensor_bytes
+from flowcredit.models.memory_options import modules_on, tensor_bytes
 
 GIB = 2**30
 PHASES = ("text_encoding", "rollout", "values", "reward", "update", "evaluation")
@@ -153,10 +154,11 @@ def phase_weights(cfg: Config, model, reward, everything: int) -> dict[str, int]
     return out
 
 
-def run_phases(cfg: Config, model, policy, reward=None) -> dict:
+def run_phases(cfg: Config, model, policy, reward=None, probe=None) -> dict:
     """Each phase of one iteration on ``model`` (any adapter, fake or real tensors), its ``policy``
     (:func:`make_policy`) and the ``reward``'s networks (:func:`~.memory_models.reward_networks`, or
-    None) under :class:`LiveStorages`; see :func:`estimate`."""
+    None) under :class:`LiveStorages`; see :func:`estimate`. ``probe.before(phase)`` and
+    ``probe.after(phase)``, if given, bracket each phase (the GPU check reads CUDA's peak there)."""
     from flowcredit.run.distributed import Dist
     from flowcredit.run.rollout import chunked_velocity, noise_levels
     from flowcredit.run.session import Session, configure_network
@@ -205,8 +207,12 @@ def run_phases(cfg: Config, model, policy, reward=None) -> dict:
     def measure(name, fn, grads_live=False):
         nonlocal correction
         counter = LiveStorages(resident)
+        if probe is not None:
+            probe.before(name)
         with counter:
             saved, square = fn() or ({}, {})
+        if probe is not None:
+            probe.after(name)
         if saved is None:  # the phase ran off the GPU: ``square`` holds what it left there
             counter.peak, saved, square = square, {}, {}
         kernels.update(counter.kernels)
@@ -249,11 +255,14 @@ def run_phases(cfg: Config, model, policy, reward=None) -> dict:
         with torch.no_grad():
             images = model.decode(finals)
             if reward is not None and reward.placement != "cpu":  # its towers on a batch of 224 px crops
-                crops = torch.nn.functional.interpolate(images[:1], size=(224, 224)).expand(
-                    reward.batch, -1, -1, -1
-                )
-                reward.clip.vision_model(pixel_values=crops.to(reward.dtype))
-                reward.clip.text_model(input_ids=torch.zeros((reward.batch, 77), dtype=torch.long))
+                dev = model.device  # a real GPU run moves an offloaded reward there (fake runs: all "cpu")
+                moving = reward.placement == "offload" and dev.type != "cpu"
+                with modules_on(reward.modules, dev, "cpu") if moving else contextlib.nullcontext():
+                    crop = torch.nn.functional.interpolate(images[:1], size=(224, 224))
+                    crops = crop.repeat(reward.batch, 1, 1, 1).to(dev, reward.dtype)  # (batch, 3, 224, 224)
+                    reward.clip.vision_model(pixel_values=crops)
+                    ids = torch.zeros((reward.batch, 77), dtype=torch.long, device=dev)
+                    reward.clip.text_model(input_ids=ids)
 
     def update():
         from flowcredit.train import step_loss
