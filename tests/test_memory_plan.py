@@ -275,3 +275,19 @@ def test_budget_sizes(text, gib):
 def test_a_bad_budget_names_itself():
     with pytest.raises(ConfigError, match="memory_budget"):
         memory_budget.parse_bytes("lots")
+
+
+def test_docs_table_is_the_published_plans():
+    """docs/gpu.md's "What fits where" table is what benchmarks/memory/memory_plans.py prints from its
+    JSON (so neither changes alone)."""
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("memory_plans", repo / "benchmarks/memory/memory_plans.py")
+    plans = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plans)
+    table = plans.table(json.loads(plans.RESULTS.read_text())["rows"])
+    assert table in (repo / "docs" / "gpu.md").read_text()
+    for row in json.loads(plans.RESULTS.read_text())["rows"]["SD3.5-M flow_grpo"].values():
+        assert row["fits"] and row["estimate"]["peak"] <= row["budget"] - row["headroom"]
