@@ -254,6 +254,11 @@ def coca(
     then clipped to ``±adv_clip``. Sources (Lil-Shake/CoCA at d8233a5): ``scripts/train_coca.py``
     L463-478 (``Â``), L482-490 (``s``, α = ``temporal_alpha``), L495-502 (``z``), L621-625 (the clip).
 
+    Deviations (docs/algorithms.md §5.5): both z-scores per prompt group of this iteration (the code's
+    tracker: a buffer over epochs, the whole batch until a prompt has 16 rewards: ``renorm="batch"``);
+    only trained steps enter the second one; a ragged last window and ``|Σg| ≤ eps`` (equal shares),
+    where the code raises or divides by 0.
+
     Args:
         values: ``(B, N + 1)``: ``c_0 … c_{N−1}`` (``needs="similarity"``) and ``V_N``; ``c_N = 1``.
         span: ``"trajectory"`` (the code: shares over all N steps, untrained ones included) or
@@ -269,9 +274,9 @@ def coca(
         )
     b, n = values.shape[0], values.shape[1] - 1
     adv = terminal_zscore(values[:, -1:], group, eps, global_std).clamp(-adv_clip, adv_clip)  # (B, 1)
-    similarity = torch.cat([values[:, :-1].float(), torch.ones(b, 1)], dim=1)  # (B, N + 1), c_N = 1
+    similarity = torch.cat([values[:, :-1].float(), values.new_ones(b, 1)], dim=1)  # (B, N + 1), c_N = 1
     lo, hi = (0, n) if span == "trajectory" else _span(trained)
-    share = torch.zeros(b, n)
+    share = values.new_zeros(b, n)
     share[:, lo:hi] = remaining_share(window_shares(similarity[:, lo : hi + 1], window, eps))
     shaped = adv * (alpha + (1 - alpha) * share)  # (B, N): the code's temporal rewards
     mask = _broadcast_trained(trained, b)

@@ -9,7 +9,7 @@ import flowcredit
 
 ROOT = Path(flowcredit.__file__).parent
 MATH_CORE = (
-    *("schedule", "sde", "values", "advantages", "calibration", "losses"),
+    *("schedule", "sde", "values", "advantages", "contribution", "calibration", "losses"),
     *("updates", "update_rules", "step_schedules", "entropy_merge", "step_weights", "credit_audit"),
     "guard_signals",
 )

@@ -323,8 +323,8 @@ def state_values(
         if copy[i]:
             values[:, i] = values[:, i + 1]
     if needs == "similarity":  # CoCA: c_0 … c_{N−1} in place of V_0 … V_{N−1}
-        values[:, :n], calls = clean_similarities(model, cond, group, ro, sigmas, batch_size)
-        nfe[0] += calls
+        similarities, calls = clean_similarities(model, cond, group, ro, sigmas, batch_size)
+        values[:, :n], nfe[0] = similarities.to(values), nfe[0] + calls
     return values, nfe[0]
 
 
