@@ -77,7 +77,8 @@ class Config:
     shift: float = 1.0
     """Schedule shift s (SD3.5: 3.0)."""
     sampler: str = "flow_sde"
-    """Rollout sampler: a name of flowcredit.sde.SAMPLER_ENTRIES (ode, flow_sde, dance_sde, cps, ddim_sde)."""
+    """Rollout sampler: a name of flowcredit.sde.SAMPLER_ENTRIES (ode, flow_sde, dance_sde, flash_sde, cps,
+    ddim_sde)."""
     noise_level: float = 0.7
     """The sampler's noise parameter (a / eta / alpha) on SDE steps."""
     window_start: int = 0

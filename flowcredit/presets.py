@@ -90,6 +90,21 @@ def egrpo() -> Config:
     )
 
 
+def tree_grpo() -> Config:
+    """TreeGRPO (Ding & Ye, arXiv 2512.08153; no public code): Flow-GRPO's sampler (Flow-SDE a = 0.7) on a
+    tree of 3 consecutive branch steps with 3 children each from a shared noise (27 leaves = the group),
+    the window's start drawn from a truncated geometric, ODE elsewhere; leaf advantages the group
+    z-score, an edge's the π_old-weighted mean of its children's (:mod:`flowcredit.tree_plans`). No KL."""
+    return Config(
+        sampler="flow_sde",
+        noise_level=0.7,
+        credit="flow_grpo",
+        shared_noise=True,
+        group_size=27,
+        step_schedule="treegrpo",
+    )
+
+
 def grpo_guard() -> Config:
     """GRPO-Guard (zhtmike/flow_grpo, ``config/grpo_guard.py``): Flow-GRPO (Flow-SDE a = 0.7, every step
     but the last, group std, a noise per member, no KL) with RatioNorm at its clip range 2e-6 (an option
@@ -124,6 +139,25 @@ def coca() -> Config:
     steps only). The clean predictions reuse the rollout's velocities: Flow-GRPO's network calls. The
     code's own base (DDPO on SD v1.4, DDIM η = 1, every step trained) is Flow-GRPO's here."""
     return Config(sampler="flow_sde", noise_level=0.7, credit="coca")
+
+
+def flash_grpo() -> Config:
+    """Flash-GRPO (Shredded-Pork/Flash-GRPO at 4211013, ``scripts/train_wanx2_1_flash.py``,
+    ``config/dgx.py`` ``wan2_1_flash``): Flow-GRPO's recipe (a noise per member, clip range 1e-3, no
+    KL, advantages clipped at 5) with what Flash-GRPO changes: one SDE step per prompt group, drawn
+    uniformly from the first half of the steps and shared by the group (``step_schedule`` ``flash``),
+    ODE elsewhere; its SDE (``flash_sde``, ``g = σ_1·σ``: 0.9 is σ_1 of our 10-step grid); the loss
+    weighted by the temporal gradient rectification over its mean on those steps (``step_weight``
+    ``flash``); the group mean over the batch std (``global_std``). Not taken: their EMA (decay 0.9
+    every 8 steps), lr 1e-4 and guidance 4.5 (Flow-GRPO's preset keeps our defaults too)."""
+    return Config(
+        sampler="flash_sde",
+        noise_level=0.9,
+        credit="flow_grpo",
+        global_std=True,
+        step_schedule="flash",
+        step_weight="flash",
+    )
 
 
 def diffusion_nft() -> Config:
@@ -266,12 +300,16 @@ NEWER_PRESETS = (
     "awm",
     "flow_dppo",
     "coca",
+    "tree_grpo",
+    "flash_grpo",
 )
 """The presets of the methods that came after the four this library started with (issues 39 and 60)."""
 # issue 60's, registered after issue 39's (tests/test_resume.py pairs each preset with a kill point by
 # its position in PRESETS; the mutation check names some of those pairs)
 register_preset("flow_dppo", flow_dppo, compared=False)
 register_preset("coca", coca, compared=False)
+register_preset("tree_grpo", tree_grpo, compared=False)
+register_preset("flash_grpo", flash_grpo, compared=False)
 
 
 def load_config(preset: str = "flow_grpo", yaml_path: str | None = None, overrides: list[str] | None = None):

@@ -160,6 +160,26 @@ def dance_sde_step(
     return _finish(mean, std, x, noise=noise, generator=generator, x_next=x_next, logp_mode=logp_mode)
 
 
+def flash_sde_step(
+    v, x, sigma, sigma_next, level=0.0, *, noise=None, generator=None, x_next=None, logp_mode="gaussian"
+) -> SdeStep:
+    """Flash-GRPO's SDE (Shredded-Pork/Flash-GRPO at 4211013,
+    ``flow_grpo/diffusers_patch/wan2_1_pipeline_with_logprob_sample.py`` L44-74): Flow-SDE's drift with
+    a diffusion coefficient linear in σ, ``g = σ_min + (σ_max − σ_min)·σ``.
+
+    Here ``σ_min = 0`` (our grids end at σ_N = 0, as theirs) and ``level`` is ``σ_max``, which the code
+    takes from the grid (its second σ, ``sigmas[1]``: 0.98 on its 20-step, shift-3 grid); the preset
+    ``flash_grpo`` sets it to its grid's σ_1. ``std = g·√(−dt)``; finite at σ = 1 (unlike Flow-SDE).
+    """
+    v, x = v.float(), x.float()
+    sig, sig_next, top = _per_sample(sigma, x), _per_sample(sigma_next, x), _per_sample(level, x)
+    g = top * sig
+    dt = sig_next - sig
+    mean = _flow_drift_mean(v, x, _bcast(sig, x), _bcast(dt, x), _bcast(g, x))
+    std = g * torch.sqrt(-dt)
+    return _finish(mean, std, x, noise=noise, generator=generator, x_next=x_next, logp_mode=logp_mode)
+
+
 def _coefficient_mean(v, x, sig, sig_next, s):
     """``(1 − σ')·x̂0 + √(σ'² − s²)·x̂1`` with ``x̂0 = x − σv``, ``x̂1 = x + (1 − σ)v``."""
     sig_b, next_b = _bcast(sig, x), _bcast(sig_next, x)
@@ -250,6 +270,7 @@ def register_sampler(name: str, sampler: Sampler) -> Sampler:
 register_sampler("ode", Sampler(ode_step, 0.0, stochastic=False))
 register_sampler("flow_sde", Sampler(flow_sde_step, 0.7, level_name="a"))
 register_sampler("dance_sde", Sampler(dance_sde_step, 0.3, level_name="g"))
+register_sampler("flash_sde", Sampler(flash_sde_step, 0.9, level_name="sigma_max"))
 register_sampler("cps", Sampler(cps_step, 0.7, last_step_deterministic=True, level_name="alpha"))
 register_sampler(
     "ddim_sde",

@@ -36,55 +36,15 @@ from dataclasses import dataclass, field
 import torch
 
 from flowcredit.entropy_merge import flow_sde_std, merge_entropy, merge_units, step_entropy
+from flowcredit.step_plan import StepPlan, plan_levels
+from flowcredit.step_schedule_flash import check_flash, flash_group_steps
+from flowcredit.tree_plans import check_treegrpo, treegrpo
 
 __all__ = ["STEP_SCHEDULES", "StepPlan", "StepSchedule", "flow_sde_std", "make_plan", "merge_entropy"]
 __all__ += ["merge_units", "merged_plan", "plan_levels", "register_step_schedule", "resolve_options"]
 __all__ += ["entry_options", "step_entropy", "window", "mixgrpo", "tempflow", "egrpo"]
 
 _SCHEDULE_KEYWORDS = ("level", "iteration", "total", "generator")
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One iteration's steps: the grid to follow and which of its ``M`` steps explore and train.
-
-    Attributes:
-        sigmas: ``(M + 1,)`` the rollout's grid, decreasing from ``sigmas[0]`` to ``sigmas[M]``.
-        sde: ``(M,)`` bool, steps sampled with the SDE (the others take the ODE step).
-        trained: ``(M,)`` bool, steps whose log-probability enters the loss; a subset of ``sde``.
-        grid_index: ``(M + 1,)`` int64, where each σ of the plan sits in the input grid (``0 … N``,
-            strictly increasing; ``arange(N + 1)`` when nothing is merged).
-        branch: False: one trajectory per row with every SDE step in it. True: every SDE step ``k`` is
-            explored on a branch of its own: ODE to ``x_k`` (the prefix shared by all branches of a
-            row), one SDE step at ``k``, ODE to the end.
-    """
-
-    sigmas: torch.Tensor
-    sde: torch.Tensor
-    trained: torch.Tensor
-    grid_index: torch.Tensor
-    branch: bool = False
-
-    def __post_init__(self):
-        m = self.sde.numel()
-        if self.sigmas.shape != (m + 1,) or self.trained.shape != (m,) or self.grid_index.shape != (m + 1,):
-            raise ValueError(
-                f"StepPlan shapes disagree: sigmas {tuple(self.sigmas.shape)}, sde {tuple(self.sde.shape)}, "
-                f"trained {tuple(self.trained.shape)}, grid_index {tuple(self.grid_index.shape)}"
-            )
-        if self.sde.dtype != torch.bool or self.trained.dtype != torch.bool:
-            raise ValueError("StepPlan: sde and trained must be bool tensors")
-        if bool((self.trained & ~self.sde).any()):
-            raise ValueError("StepPlan: a trained step must be an SDE step (an ODE step has no log-density)")
-        if m and not bool((self.grid_index[1:] > self.grid_index[:-1]).all()):
-            raise ValueError(f"StepPlan: grid_index must increase strictly, got {self.grid_index.tolist()}")
-
-
-def plan_levels(plan: StepPlan, level: float, psi: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-step sampler levels ``(M,)``: ``level`` on SDE steps (or ``psi (M,)``, DenseGRPO's ψ), 0 on
-    ODE steps; what ``flowcredit.run.rollout.rollout`` takes as ``levels``."""
-    on = psi if psi is not None else torch.full((plan.sde.numel(),), float(level))
-    return torch.where(plan.sde, on, torch.zeros_like(on))
 
 
 def _steps_plan(sigmas: torch.Tensor, sde: torch.Tensor, branch: bool = False) -> StepPlan:
@@ -275,6 +235,20 @@ def _check_egrpo(o: dict) -> None:
         _fail("step schedule", "egrpo", "horizon", f"must lie in (0, 1], got {o['horizon']}")
 
 
+# --- 5. Flash-GRPO: one step per group (the draw and its sources: flowcredit.step_schedule_flash) ---
+
+
+def flash(sigmas, *, level, iteration, total, generator, groups=1, candidates=0) -> StepPlan:
+    """Flash-GRPO's per-group plan: group ``g`` of the ``groups`` (``prompts_per_iter``) explores and trains
+    step ``group_step[g]`` only (:func:`~flowcredit.step_schedule_flash.flash_group_steps`: uniform on
+    the first ``candidates``, 0: ``⌊N/2⌋``); ``sde`` = ``trained`` = the steps drawn."""
+    n = sigmas.numel() - 1
+    group_step = flash_group_steps(n, groups, candidates, generator)  # (P,)
+    sde = torch.zeros(n, dtype=torch.bool)
+    sde[group_step] = True
+    return StepPlan(sigmas, sde, sde.clone(), torch.arange(n + 1), group_step=group_step)
+
+
 # --- registries ---
 
 ScheduleFn = Callable[..., StepPlan]
@@ -363,3 +337,5 @@ register_step_schedule(
 register_step_schedule("mixgrpo", mixgrpo, validate=_check_mixgrpo)
 register_step_schedule("tempflow", tempflow, validate=_check_tempflow)
 register_step_schedule("egrpo", egrpo, validate=_check_egrpo)
+register_step_schedule("treegrpo", treegrpo, validate=check_treegrpo)  # flowcredit/tree_plans.py
+register_step_schedule("flash", flash, validate=check_flash, fields={"groups": "prompts_per_iter"})

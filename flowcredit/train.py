@@ -70,8 +70,7 @@ def grpo_iteration(s: Session, it: int) -> dict:
         )
     per_rank = cfg.prompts_per_iter // s.dist.world * sam.branches  # normalisation groups on each rank
     adv, ok = advantages(s, values, sam.norm_group, sam.rows, trained, per_rank)  # (B, M), (B,)
-    if plan.branch:  # each row trains its own branch step only
-        adv = torch.where(sam.row_trained, adv, torch.zeros_like(adv))
+    adv = sam.shape_credit(adv)  # a branch's rows train their branch step only; a tree's, its edges' values
     bad_groups = torch.unique(sam.norm_group[~ok])
     live_groups = torch.unique(sam.norm_group[(adv != 0).any(dim=1)])
     trains = torch.isin(sam.norm_group, live_groups) if s.update.drops_zero_advantage else ok  # (B,)

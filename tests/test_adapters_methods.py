@@ -53,6 +53,7 @@ FORWARD = ("nft", "awm")  # forward-process update rules (DiffusionNFT, AWM): an
 SMALL = dict(reward="reward_fixtures:brightness", prompts_per_iter=1, num_eval_prompts=1, eval_num_steps=2)
 SMALL |= dict(threads=1, log_with="none")
 NUM_STEPS = {"awm": 10, "flow_dppo": 6}  # AWM's window 7 assumes 10 steps (σ' ∈ [0.3, 0.9]); Flow-DPPO's is 5
+TREES = {"tree_grpo": dict(group_size=4, step_schedule_options='{"fanout": 2, "depth": 2}')}  # 4 leaves
 RESUMED = [(preset, "float32") for preset in NEWER_PRESETS] + [("awm", "bfloat16")]
 """The resume tests: every preset in float32, and AWM (the most state: LoRA, optimizer, old policy; an
 SDE window and a KL to the old policy) in bfloat16 too; the other presets' bf16 runs train one iteration."""
@@ -97,6 +98,7 @@ def method_config(preset: str, kind: str, dirs, run_dir, dtype: str, iterations:
         cfg = train_config(preset, kind, dirs[kind], dirs["prompts"], run_dir)
         cfg.dtype = dtype
     window = dict(num_steps=NUM_STEPS.get(preset, 4), window_size=PRESETS[preset]().window_size)
+    window |= TREES.get(preset, {})
     return validate(dataclasses.replace(cfg, **SMALL, **window, run_dir=str(run_dir), iterations=iterations))
 
 

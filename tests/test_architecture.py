@@ -9,9 +9,20 @@ import flowcredit
 
 ROOT = Path(flowcredit.__file__).parent
 MATH_CORE = (
-    *("schedule", "sde", "values", "advantages", "contribution", "calibration", "losses"),
+    *(
+        "schedule",
+        "sde",
+        "values",
+        "advantages",
+        "contribution",
+        "calibration",
+        "losses",
+        "tree_plans",
+        "step_plan",
+    ),
     *("updates", "update_rules", "step_schedules", "entropy_merge", "step_weights", "credit_audit"),
     "guard_signals",
+    "step_schedule_flash",
 )
 
 

@@ -42,6 +42,7 @@ EXTRA = {
     "mixgrpo": {"step_schedule_options": '{"size": 2, "interval": 1}'},
     "awm": {"update_options": '{"time_draws": 2, "old_decay_rate": 0.3}'},
     "diffusion_nft": {"update_options": '{"old_decay_rate": 0.2}'},
+    "tree_grpo": {"group_size": 4, "step_schedule_options": '{"fanout": 2, "depth": 2}'},  # 4 leaves
 }
 
 

@@ -86,15 +86,24 @@ def nfe_parts(cfg: Config) -> dict[str, float]:
         ).shape[0]
         update = draws * cfg.inner_epochs * (3 if cfg.beta else 2)
     else:
-        trained = sum(int(p.trained.sum()) for p in plans) / len(plans)
+        trained = sum(trained_per_row(p) for p in plans) / len(plans)
         update = trained * cfg.inner_epochs * (2 if cfg.beta else 1)
     return {"rollout": rollout, "values": values, "update": update}
+
+
+def trained_per_row(plan) -> int:
+    """Steps one trajectory trains: the plan's trained steps; a per-group plan's (Flash-GRPO) one step."""
+    return 1 if plan.group_step is not None else int(plan.trained.sum())
 
 
 def rollout_calls(plan, group_size: int) -> float:
     """Network calls per trajectory of one plan's rollout: its ``M`` steps; a branch plan's trunk
     (``k_max`` steps once per group) and each branch ``k`` (``M − k`` steps per row)."""
     m = plan.sde.numel()
+    if plan.fanout:
+        from flowcredit.tree_plans import tree_calls
+
+        return tree_calls(plan, group_size)
     if not plan.branch:
         return float(m)
     ks = plan.sde.nonzero()[:, 0].tolist()
@@ -151,6 +160,8 @@ NFT = ["--update", "nft", "--sampler", "ode", "--steps_per_update", "9", *NO_CFG
 AWM = ["--update", "awm", "--sampler", "flow_sde", "--noise_level", "0.57", "--window_size", "7"]
 AWM += ["--steps_per_update", "6", *NO_CFG]
 COCA = ["--credit", "coca"]
+FLASH = ["--step_schedule", "flash", "--step_weight", "flash"]
+FLASH += ["--sampler", "flash_sde", "--noise_level", "0.9"]  # Flash-GRPO's SDE at σ_1 of the 10-step grid
 
 SKILL_ARMS = {
     "tp": TP,
@@ -168,6 +179,7 @@ SKILL_ARMS = {
     "nft_quarter": lambda cfg: _equal_nfe(cfg, NFT, 0.25),
     "awm_quarter": lambda cfg: _equal_nfe(cfg, AWM, 0.25),
     "coca": lambda cfg: _equal_nfe(cfg, COCA),
+    "flash": lambda cfg: _equal_nfe(cfg, FLASH),
 }
 """The arms beside the preset (Flow-GRPO credit, CPS): TP-GRPO credit at the same iterations and at
 the preset's NFE; DenseGRPO (Dance-SDE with ψ calibrated on the frozen base, then dense gains; the
@@ -191,7 +203,10 @@ AWM as their code runs them (rollouts without CFG: DiffusionNFT's deterministic 
 AWM's Flow-SDE a = 0.57 on steps 0–6; one optimizer step per iteration) at a quarter of the preset's
 network calls (``nft_quarter``, ``awm_quarter``), evaluated with the preset's CFG (w = 2) as every arm.
 CoCA's credit (``coca``: the preset's rollout, its similarities from the rollout's own velocities, so
-the preset's iterations), pre-registered on 2026-12-06 and not run yet."""
+the preset's iterations), pre-registered on 2026-12-06 and not run yet. Flash-GRPO (``flash``): one SDE
+step per prompt group drawn from the preset's window (steps 0–4), its own SDE (``flash_sde`` at σ_1 =
+0.9) and rectification weights; one trained step per trajectory, so more iterations at the preset's
+network calls; pre-registered and not run yet."""
 
 
 def training_curve(rows: list[dict]) -> dict[str, list[float]]:

@@ -13,13 +13,12 @@ among them is the process reward of step ``k``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from flowcredit.config import Config
 from flowcredit.errors import ConfigError
 from flowcredit.run.rollout import Rollout, rollout, seeded
+from flowcredit.run.sampled import Sampled
 from flowcredit.sde import SAMPLER_ENTRIES
 from flowcredit.step_schedules import StepPlan, make_plan, plan_levels
 from flowcredit.validation import schedule_options
@@ -49,12 +48,28 @@ def iteration_plan(cfg: Config, sigmas: torch.Tensor, iteration: int) -> StepPla
         raise ConfigError("step_schedule", f"{where} trains step 0, where {cfg.sampler} has std 0")
     if entry.last_step_deterministic and bool(plan.trained[m - 1]):
         raise ConfigError("step_schedule", f"{where} trains the last step, where {cfg.sampler} has std 0")
-    if plan.branch and (cfg.credit != "flow_grpo" or not cfg.shared_noise):
+    if (plan.branch or plan.fanout) and (cfg.credit != "flow_grpo" or not cfg.shared_noise):
         raise ConfigError(
             "shared_noise" if cfg.credit == "flow_grpo" else "credit",
             f"{where} branches: its rows need shared_noise=true and credit=flow_grpo (a process reward)",
         )
+    leaves = plan.fanout ** int(plan.sde.sum())
+    if plan.fanout and cfg.group_size != leaves:
+        raise ConfigError("group_size", f"{cfg.group_size}, but {where} grows {leaves} leaves per prompt")
+    if plan.group_step is not None:
+        _check_group_plan(cfg, where)
     return plan
+
+
+def _check_group_plan(cfg: Config, where: str) -> None:
+    """A per-group plan (Flash-GRPO) trains each row at its group's step: the terminal reward's credit
+    and a PPO-style update over trained steps (a forward-process rule would see the other steps)."""
+    from flowcredit.updates import UPDATES
+
+    if cfg.credit != "flow_grpo":
+        raise ConfigError("credit", f"{where} draws a step per group: it needs credit=flow_grpo")
+    if UPDATES[cfg.update].forward:
+        raise ConfigError("update", f"{where} draws a step per group: {cfg.update!r} is a forward rule")
 
 
 def levels_of(plan: StepPlan, cfg: Config, psi: torch.Tensor | None) -> torch.Tensor:
@@ -62,31 +77,82 @@ def levels_of(plan: StepPlan, cfg: Config, psi: torch.Tensor | None) -> torch.Te
     return plan_levels(plan, cfg.noise_level, psi)
 
 
-@dataclass
-class Sampled:
-    """A rollout that followed a plan, over ``B'`` rows (``B' = B·K`` for a branch plan with K branches).
-
-    ``group (B',)`` indexes the iteration's prompts (conditioning, reward); ``norm_group (B',)`` the
-    groups advantages are normalised in (``group`` itself without branches); ``row_trained (B', M)``
-    the steps each row trains; ``rows`` the ``(total, lo, hi)`` of these rows; ``nfe`` rows × model calls.
-    """
-
-    ro: Rollout
-    group: torch.Tensor
-    norm_group: torch.Tensor
-    row_trained: torch.Tensor
-    rows: tuple[int, int, int]
-    nfe: int
-    branches: int = 1
-
-
 def sample(model, cond, group, x0, plan: StepPlan, levels, step_fn, generator, rows, **opts) -> Sampled:
     """Roll out ``x0 (B, …)`` along ``plan`` (:func:`flowcredit.run.rollout.rollout`'s options ``opts``)."""
+    if plan.group_step is not None:
+        from flowcredit.run.group_plans import group_sample
+
+        return group_sample(model, cond, group, x0, plan, levels, step_fn, generator, rows, **opts)
+    if plan.fanout:
+        return tree_sample(model, cond, group, x0, plan, levels, step_fn, generator, rows, **opts)
     if not plan.branch:
         ro = rollout(model, cond, group, x0, plan.sigmas, levels, step_fn, generator, rows=rows, **opts)
         row_trained = plan.trained.view(1, -1).expand(len(group), -1)
         return Sampled(ro, group, group, row_trained, rows, len(group) * plan.sde.numel())
     return branch_sample(model, cond, group, x0, plan, levels, step_fn, generator, rows, **opts)
+
+
+def tree_sample(model, cond, group, x0, plan: StepPlan, levels, step_fn, generator, rows, **opts) -> Sampled:
+    """A tree plan's rollout (:mod:`flowcredit.tree_plans`): one ODE trunk per group to ``s_0``, then per
+    branch step ``s_j`` every node's ``k`` children (one SDE step each, then the ODE to ``s_{j+1}``); the
+    ``B`` rows are the leaves, each with its path's states, and each edge trained on one leaf."""
+    from flowcredit.tree_plans import owned_edges, tree_advantages
+
+    opts = {k: v for k, v in opts.items() if k not in ("keep_uncond", "keep_velocity")}
+    steps, k, m = plan.sde.nonzero()[:, 0].tolist(), plan.fanout, plan.sde.numel()
+    d, b = len(steps), len(group)
+    per = k**d  # leaves per group
+    if b % per or not torch.equal(x0, x0[::per].repeat_interleave(per, 0)):
+        raise ValueError(f"a tree plan needs groups of {k}^{d} rows sharing x0 (group_size, shared_noise)")
+    total, lo, hi = rows
+    roots = group[::per]  # (P,) each tree's prompt
+    trunk = _trunk(model, cond, roots, x0[::per], plan.sigmas[: steps[0] + 1], step_fn, opts)  # (P, s0+1, …)
+    nodes, nfe = trunk[:, -1], len(roots) * steps[0]
+    segments = []
+    for j, (s, end) in enumerate(zip(steps, [*steps[1:], m])):
+        width = k ** (j + 1)  # nodes of depth j + 1 per tree
+        lv = torch.zeros(end - s, dtype=levels.dtype)  # an SDE step, then the ODE
+        lv[0] = levels[s]
+        seg_rows = (total // per * width, lo // per * width, hi // per * width)
+        children = nodes.repeat_interleave(k, 0)  # (P·width, …): each node's k children start from it
+        grid = plan.sigmas[s : end + 1]
+        parents = roots.repeat_interleave(width)  # (P·width,) each node's prompt
+        seg = rollout(model, cond, parents, children, grid, lv, step_fn, generator, rows=seg_rows, **opts)
+        segments.append(seg)
+        nodes, nfe = seg.states[:, -1], nfe + len(roots) * width * (end - s)
+    ro = _tree_paths(trunk, segments, per, k)
+    trained = torch.zeros(b, m, dtype=torch.bool)
+    trained[:, steps] = owned_edges(b, k, d)
+
+    def credit(adv: torch.Tensor) -> torch.Tensor:  # (B, M): the leaves' z-scores → edge values
+        out = adv.clone()
+        out[:, steps] = tree_advantages(adv[:, steps[-1]], ro.logp[:, steps], k, plan.tree_weighting)
+        return out
+
+    return Sampled(ro, group, group, trained, rows, nfe, 1, credit)
+
+
+def _tree_paths(trunk: torch.Tensor, segments: list[Rollout], per: int, k: int) -> Rollout:
+    """Each leaf's full trajectory: the trunk's states, then its ancestor's part of every segment (zero
+    log-density, std and mean on the trunk's ODE steps)."""
+    p = trunk.shape[0]
+    leaf = torch.arange(p * per)
+    tree, within = leaf // per, leaf % per
+    parts = [trunk[tree, :-1]]
+    ode = torch.zeros(len(leaf), trunk.shape[1] - 1)  # the trunk's steps: no log-density, no noise
+    logp, std, means = [ode], [ode], []
+    for j, seg in enumerate(segments):
+        width = seg.states.shape[0] // p
+        node = tree * width + within // (per // width)  # (B,) the leaf's ancestor in this segment
+        parts.append(seg.states[node, :-1] if j < len(segments) - 1 else seg.states[node])
+        logp.append(seg.logp[node])
+        std.append(seg.std[node])
+        means.append(None if seg.means is None else seg.means[node])
+    ro = Rollout(torch.cat(parts, 1), torch.cat(logp, 1), torch.cat(std, 1))
+    if all(x is not None for x in means):
+        zeros = torch.zeros(len(leaf), trunk.shape[1] - 1, *means[0].shape[2:])
+        ro.means = torch.cat([zeros, *means], 1)
+    return ro
 
 
 def branch_sample(

@@ -3,13 +3,15 @@ exact edit of one line of ``flowcredit/``, with the tests that should catch it. 
 beside this folder; the mutants are declared by area: ``glue.py`` (the training loop's glue and what
 surrounds it, issue 28), ``newer_methods.py`` (the newer methods' loop glue, issue 39) and
 ``outside_check.py`` (five behaviours an outside mutation check found, issue 54), ``flow_dppo.py``
-(Flow-DPPO's update rule, issue 60) and ``coca.py`` (CoCA's credit rule and its plumbing, issue 60);
+(Flow-DPPO's update rule, issue 60), ``coca.py`` (CoCA's credit rule and its plumbing, issue 60) and
+``flash_grpo.py`` (Flash-GRPO's weights and per-group plan, issue 60);
 :class:`Mutant` is in ``mutant.py``.
 """
 
 from __future__ import annotations
 
 from .coca import MUTANTS as COCA
+from .flash_grpo import MUTANTS as FLASH_GRPO
 from .flow_dppo import MUTANTS as FLOW_DPPO
 from .glue import MUTANTS as GLUE
 from .mutant import Mutant
@@ -18,5 +20,5 @@ from .outside_check import MUTANTS as OUTSIDE_CHECK
 
 __all__ = ["MUTANTS", "Mutant"]
 
-MUTANTS: list[Mutant] = [*GLUE, *NEWER_METHODS, *OUTSIDE_CHECK, *FLOW_DPPO, *COCA]
+MUTANTS: list[Mutant] = [*GLUE, *NEWER_METHODS, *OUTSIDE_CHECK, *FLOW_DPPO, *COCA, *FLASH_GRPO]
 """Every mutant, in the order of the report."""

@@ -1,0 +1,137 @@
+"""Tree rollouts (flowcredit/tree_plans.py, flowcredit/run/plans.py ``tree_sample``): the edge values by
+hand and against an independent recursion, the edges each leaf trains, the network calls, TreeGRPO's
+window draws, the rollout's shared prefixes on the built-in model, and a toy tree plan registered from
+outside the package that trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from loop_probes import small_config
+
+from flowcredit.errors import ConfigError
+from flowcredit.step_schedules import STEP_SCHEDULES, make_plan, register_step_schedule
+from flowcredit.tree_plans import owned_edges, tree_advantages, tree_calls, tree_plan, treegrpo
+
+
+def test_edge_values_by_hand():
+    leaf = torch.tensor([1.0, -1.0, 3.0, 0.0])  # one tree, k = 2, d = 2
+    logp = torch.tensor([[0.0, 0.0], [0.0, math.log(3.0)], [0.0, 0.0], [0.0, 0.0]])  # (B, d)
+    # node 0's children weigh softmax([0, log 3]) = [1/4, 3/4]: 1/4 − 3/4 = −0.5; node 1: (3 + 0)/2
+    want = torch.tensor([[-0.5, 1.0], [-0.5, -1.0], [1.5, 3.0], [1.5, 0.0]])
+    assert torch.allclose(tree_advantages(leaf, logp, 2), want)
+    uniform = torch.tensor([[0.0, 1.0], [0.0, -1.0], [1.5, 3.0], [1.5, 0.0]])
+    assert torch.allclose(tree_advantages(leaf, logp, 2, "uniform"), uniform)
+
+
+def recursive_values(leaf: list[float], logp: list[list[float]], k: int, d: int) -> list[list[float]]:
+    """An independent computation: the tree as nested nodes, values by recursion, read back per leaf."""
+
+    def value(depth: int, first: int) -> float:  # the node of ``depth`` whose first leaf is ``first``
+        if depth == d:
+            return leaf[first]
+        span = k ** (d - depth - 1)  # leaves under each child
+        kids = [first + c * span for c in range(k)]
+        w = torch.softmax(torch.tensor([logp[c][depth] for c in kids]), 0).tolist()
+        return sum(wi * value(depth + 1, c) for wi, c in zip(w, kids))
+
+    per = k**d
+    out = []
+    for r in range(len(leaf)):
+        base = r - r % per
+        row = []
+        for j in range(d):  # the edge at depth j leads to the node of depth j + 1 above leaf r
+            span = k ** (d - j - 1)
+            row.append(value(j + 1, base + (r - base) // span * span))
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("k, d", [(3, 3), (2, 4), (4, 1)])
+def test_edge_values_against_a_recursion(k, d):
+    g = torch.Generator().manual_seed(k * 10 + d)
+    b = 2 * k**d  # two trees
+    leaf = torch.randn(b, generator=g)
+    logp = torch.randn(b, d, generator=g)
+    # an edge's log-density is the same on every leaf below it: copy the first leaf's
+    for j in range(d):
+        span = k ** (d - 1 - j)
+        logp[:, j] = logp[torch.arange(b) // span * span, j]
+    got = tree_advantages(leaf, logp, k)
+    want = torch.tensor(recursive_values(leaf.tolist(), logp.tolist(), k, d))
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_each_edge_is_trained_once():
+    owned = owned_edges(8, 2, 2)  # two trees of 4 leaves
+    assert owned.tolist() == [[True, True], [False, True], [True, True], [False, True]] * 2
+    assert int(owned_edges(27, 3, 3).sum()) == 3 + 9 + 27  # every edge of a 3-ary tree of depth 3
+
+
+def test_network_calls_of_a_tree():
+    sigmas = torch.linspace(1, 0, 11)
+    plan = tree_plan(sigmas, [2, 3, 4], 3)  # trunk 2 steps; 3 × 1, 9 × 1, 27 × 6 after
+    calls_per_tree = 2 + 3 * 1 + 9 * 1 + 27 * 6
+    assert tree_calls(plan, 27) == pytest.approx(calls_per_tree / 27)
+    assert calls_per_tree < 27 * 10  # what 27 independent trajectories would cost
+
+
+def test_treegrpo_window_draws():
+    sigmas = torch.linspace(1, 0, 11)  # 10 steps, depth 3, skip_last 1: starts 0 … 6
+    counts = torch.zeros(7)
+    g = torch.Generator().manual_seed(0)
+    for it in range(6000):
+        plan = treegrpo(sigmas, level=0.7, iteration=it, total=10, generator=g, p=0.4)
+        steps = plan.sde.nonzero()[:, 0].tolist()
+        assert steps == list(range(steps[0], steps[0] + 3)) and plan.fanout == 3
+        counts[steps[0]] += 1
+    want = 0.4 * 0.6 ** torch.arange(7.0)
+    assert torch.allclose(counts / counts.sum(), want / want.sum(), atol=0.02)
+
+    def drawn(seed):  # the registry's entry, drawn from a given generator
+        gen = torch.Generator().manual_seed(seed)
+        return make_plan("treegrpo", sigmas, level=0.7, iteration=0, total=1, generator=gen).sde
+
+    assert torch.equal(drawn(5), drawn(5))
+
+
+def toy_tree(sigmas, *, level, iteration, total, generator, at=(1, 3)):
+    """A tree plan from outside the package: branch in two at the steps ``at``."""
+    return tree_plan(sigmas, list(at), 2)
+
+
+def test_a_toy_tree_plan_from_outside_trains(tmp_path, monkeypatch):
+    from loop_probes import record_iteration, small_session
+
+    if "toy_tree" not in STEP_SCHEDULES:
+        register_step_schedule("toy_tree", toy_tree)
+    s = small_session(
+        "flow_grpo", tmp_path, step_schedule="toy_tree", shared_noise=True, group_size=4, num_steps=5
+    )
+    seen, metrics = record_iteration(s, monkeypatch)
+    ro, adv = seen["ro"], seen["adv"]  # (8, 6, …) states of 2 trees × 4 leaves
+    states = ro.states
+    for tree in (0, 4):
+        leaves = states[tree : tree + 4]
+        assert all(torch.equal(leaves[i, :2], leaves[0, :2]) for i in range(4))  # the trunk: x_0, x_1
+        assert torch.equal(leaves[0, :4], leaves[1, :4]) and not torch.equal(leaves[0, 2], leaves[2, 2])
+        assert not torch.equal(leaves[0, 4], leaves[1, 4])  # the second branching at step 3
+    trained = seen["sampled"].row_trained
+    assert trained[:, [1, 3]].tolist() == [[True, True], [False, True], [True, True], [False, True]] * 2
+    assert not trained[:, [0, 2, 4]].any() and bool((adv[~trained] == 0).all())
+    # two trees: trunk 1 step, 2 nodes × 2 steps, 4 leaves × 2 steps, per tree
+    assert metrics["nfe/rollout"] == s.guidance_passes * 2 * (1 + 2 * 2 + 4 * 2)
+
+
+def test_a_tree_needs_its_group_and_a_shared_noise(tmp_path):
+    from flowcredit.run.plans import iteration_plan
+
+    cfg = small_config("tree_grpo", tmp_path)  # 27 leaves: the preset's group
+    sigmas = torch.linspace(1, 0, cfg.num_steps + 1)
+    with pytest.raises(ConfigError, match="group_size.*27 leaves"):
+        iteration_plan(dataclasses.replace(cfg, group_size=6), sigmas, 0)
+    with pytest.raises(ConfigError, match="shared_noise"):
+        iteration_plan(dataclasses.replace(cfg, shared_noise=False), sigmas, 0)
