@@ -104,7 +104,7 @@ def run_line(seconds: float, only: list[str] | None = None) -> str:
 
 def write_report(rows: list[dict], out: Path, notes: tuple[str, ...] = ()) -> None:
     """``mutants.json`` (the rows) and ``mutants.md``; ``notes``: paragraphs under the count (when,
-    where, how long; a merge keeps the last full run's)."""
+    where, how long; a merge keeps the last full run's and the reruns' since)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "mutants.json").write_text(json.dumps(rows, indent=1) + "\n")
     killed = sum(r["status"] == "killed" for r in rows)
@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         old |= {r["name"]: r for r in rows}
         md = Path(args.out) / "mutants.md"
         lines = md.read_text().splitlines() if md.exists() else []
-        notes = (
+        notes = (  # the last full run's line, the reruns since (each rerun's line kept), this one
             *[x for x in lines if x.startswith("Full run:")][:1],
+            *[x for x in lines if x.startswith("Rerun of ")],
             run_line(seconds, [r["name"] for r in rows]),
         )
         write_report([old[m.name] for m in MUTANTS if m.name in old], Path(args.out), notes)

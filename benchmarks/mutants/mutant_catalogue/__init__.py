@@ -3,8 +3,9 @@ exact edit of one line of ``flowcredit/``, with the tests that should catch it. 
 beside this folder; the mutants are declared by area: ``glue.py`` (the training loop's glue and what
 surrounds it, issue 28), ``newer_methods.py`` (the newer methods' loop glue, issue 39) and
 ``outside_check.py`` (five behaviours an outside mutation check found, issue 54), ``flow_dppo.py``
-(Flow-DPPO's update rule, issue 60), ``coca.py`` (CoCA's credit rule and its plumbing, issue 60) and
-``flash_grpo.py`` (Flash-GRPO's weights and per-group plan, issue 60);
+(Flow-DPPO's update rule, issue 60), ``coca.py`` (CoCA's credit rule and its plumbing, issue 60),
+``flash_grpo.py`` (Flash-GRPO's weights and per-group plan, issue 60) and ``tree_grpo.py`` (tree
+rollouts and TreeGRPO's edge values, issue 60);
 :class:`Mutant` is in ``mutant.py``.
 """
 
@@ -17,8 +18,9 @@ from .glue import MUTANTS as GLUE
 from .mutant import Mutant
 from .newer_methods import MUTANTS as NEWER_METHODS
 from .outside_check import MUTANTS as OUTSIDE_CHECK
+from .tree_grpo import MUTANTS as TREE_GRPO
 
 __all__ = ["MUTANTS", "Mutant"]
 
-MUTANTS: list[Mutant] = [*GLUE, *NEWER_METHODS, *OUTSIDE_CHECK, *FLOW_DPPO, *COCA, *FLASH_GRPO]
+MUTANTS: list[Mutant] = [*GLUE, *NEWER_METHODS, *OUTSIDE_CHECK, *FLOW_DPPO, *COCA, *FLASH_GRPO, *TREE_GRPO]
 """Every mutant, in the order of the report."""
