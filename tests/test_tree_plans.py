@@ -135,3 +135,31 @@ def test_a_tree_needs_its_group_and_a_shared_noise(tmp_path):
         iteration_plan(dataclasses.replace(cfg, group_size=6), sigmas, 0)
     with pytest.raises(ConfigError, match="shared_noise"):
         iteration_plan(dataclasses.replace(cfg, shared_noise=False), sigmas, 0)
+
+
+def test_the_skill_arm_spends_the_presets_calls_and_its_claim_is_registered():
+    from flowcredit.commands.bench_skill import SKILL_ARMS, nfe_parts, nominal_calls, trained_per_row
+    from flowcredit.commands.bench_skill_report import SKILL_CLAIMS
+    from flowcredit.presets import load_config
+    from flowcredit.validation import apply_overrides
+
+    base = load_config("skill")
+    arm = apply_overrides(load_config("skill"), SKILL_ARMS["tree"](load_config("skill")))
+    changed = {k: v for k, v in vars(arm).items() if getattr(base, k) != v}
+    assert changed == {
+        "step_schedule": "treegrpo",
+        "step_schedule_options": '{"skip_last": 5}',
+        "group_size": 27,
+        "shared_noise": True,
+        "iterations": 373,
+    }
+    plan = tree_plan(torch.linspace(1, 0, 11), [0, 1, 2], 3)
+    assert trained_per_row(plan) == pytest.approx((3 + 9 + 27) / 27)
+    assert nfe_parts(arm)["update"] == pytest.approx(2 * 39 / 27)  # β > 0: the reference pass too
+
+    def spent(c):  # network calls of the whole run, every row counted
+        return c.iterations * nominal_calls(c) * c.prompts_per_iter * c.group_size
+
+    assert spent(arm) == pytest.approx(spent(base), rel=0.002)  # equal calls, up to an iteration's rounding
+    claim = ("skill-tree", "TreeGRPO: at least as good as Flow-GRPO at equal network calls", "noninferior")
+    assert claim in SKILL_CLAIMS

@@ -91,8 +91,12 @@ def nfe_parts(cfg: Config) -> dict[str, float]:
     return {"rollout": rollout, "values": values, "update": update}
 
 
-def trained_per_row(plan) -> int:
-    """Steps one trajectory trains: the plan's trained steps; a per-group plan's (Flash-GRPO) one step."""
+def trained_per_row(plan) -> float:
+    """Steps one trajectory trains: the plan's trained steps; a per-group plan's (Flash-GRPO) one step; a
+    tree's edges over its leaves (each edge trained once: ``Σ_j k^{j+1} / k^d``)."""
+    if plan.fanout:
+        d = int(plan.sde.sum())
+        return sum(plan.fanout ** (j + 1) for j in range(d)) / plan.fanout**d
     return 1 if plan.group_step is not None else int(plan.trained.sum())
 
 
@@ -118,13 +122,17 @@ def nominal_calls(cfg: Config) -> float:
 
 def _equal_nfe(preset: Config, change: list[str], share: float = 1.0) -> list[str]:
     """``change`` plus the iterations at which its network calls are ``share`` × the preset's (a fixed
-    point: an arm whose plan changes with the iteration averages its cost over its own iterations)."""
+    point: an arm whose plan changes with the iteration averages its cost over its own iterations); the
+    calls of an iteration count every row (prompts × group)."""
     from flowcredit.validation import apply_overrides
 
-    budget, iterations = share * preset.iterations * nominal_calls(preset), preset.iterations
+    def per_iteration(cfg: Config) -> float:  # an arm may change the group (TreeGRPO's 27 leaves)
+        return nominal_calls(cfg) * cfg.prompts_per_iter * cfg.group_size
+
+    budget, iterations = share * preset.iterations * per_iteration(preset), preset.iterations
     for _ in range(5):
         arm = apply_overrides(dataclasses.replace(preset), [*change, "--iterations", str(iterations)])
-        iterations, previous = round(budget / nominal_calls(arm)), iterations
+        iterations, previous = round(budget / per_iteration(arm)), iterations
         if iterations == previous:
             break
     return [*change, "--iterations", str(iterations)]
@@ -162,6 +170,7 @@ AWM += ["--steps_per_update", "6", *NO_CFG]
 COCA = ["--credit", "coca"]
 FLASH = ["--step_schedule", "flash", "--step_weight", "flash"]
 FLASH += ["--sampler", "flash_sde", "--noise_level", "0.9"]  # Flash-GRPO's SDE at σ_1 of the 10-step grid
+TREE = ["--step_schedule", "treegrpo", "--step_schedule_options", '{"skip_last": 5}', "--group_size", "27"]
 
 SKILL_ARMS = {
     "tp": TP,
@@ -180,6 +189,7 @@ SKILL_ARMS = {
     "awm_quarter": lambda cfg: _equal_nfe(cfg, AWM, 0.25),
     "coca": lambda cfg: _equal_nfe(cfg, COCA),
     "flash": lambda cfg: _equal_nfe(cfg, FLASH),
+    "tree": lambda cfg: _equal_nfe(cfg, [*TREE, *SHARED]),
 }
 """The arms beside the preset (Flow-GRPO credit, CPS): TP-GRPO credit at the same iterations and at
 the preset's NFE; DenseGRPO (Dance-SDE with ψ calibrated on the frozen base, then dense gains; the
@@ -206,7 +216,10 @@ CoCA's credit (``coca``: the preset's rollout, its similarities from the rollout
 the preset's iterations), pre-registered on 2026-12-06 and not run yet. Flash-GRPO (``flash``): one SDE
 step per prompt group drawn from the preset's window (steps 0–4), its own SDE (``flash_sde`` at σ_1 =
 0.9) and rectification weights; one trained step per trajectory, so more iterations at the preset's
-network calls; pre-registered and not run yet."""
+network calls; pre-registered and not run yet. TreeGRPO (``tree``): its tree of 3 × 3 children
+from a shared noise (27 leaves per prompt) with the window's start drawn from steps 0–2, so that
+its branch steps stay in the preset's window 0–4, at the preset's network calls; pre-registered and
+not run yet."""
 
 
 def training_curve(rows: list[dict]) -> dict[str, list[float]]:

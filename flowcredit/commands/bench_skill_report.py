@@ -35,6 +35,7 @@ SKILL_CLAIMS = (
     ("skill-awm_quarter", "AWM reaches Flow-GRPO's score with 1/4 of its network calls", "noninferior"),
     ("skill-coca", "CoCA: at least as good as Flow-GRPO at equal network calls", "noninferior"),
     ("skill-flash", "Flash-GRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
+    ("skill-tree", "TreeGRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
 )
 """(arm, the paper's claim as this grid can test it, rule of :func:`skill_verdict`)."""
 EQUIVALENCE = 0.02
@@ -58,6 +59,7 @@ ARM_NAMES = {
     "skill-awm_quarter": "AWM at 1/4 of the network calls",
     "skill-coca": "CoCA",
     "skill-flash": "Flash-GRPO",
+    "skill-tree": "TreeGRPO",
 }
 """What each arm is, as its verdicts name it: ``dense_euler1`` is a variant (one-step values, one ψ
 calibrated once and shared by every seed: bench.shared_psi), so "DenseGRPO" alone names ``dense``."""
