@@ -105,6 +105,23 @@ def tree_grpo() -> Config:
     )
 
 
+def branch_grpo() -> Config:
+    """BranchGRPO (Fredreic1849/BranchGRPO, ``scripts/finetune/finetune_flux_branchgrpo_8gpus.sh`` and
+    ``fastvideo/train_branchgrpo_flux.py``): one noise per prompt (``--init_same_noise``), Flow-GRPO's SDE
+    at η = 0.3 on every step but the last (``--ignore_last``), binary splits at 0, 1, 3, 4 (theirs 0, 3, 6,
+    9 of 20 steps; 16 leaves = ``--num_generations 16``), node values the mean over their leaves, z-scored
+    per depth (:mod:`flowcredit.tree_plans`). Not taken: the split noise scale 4, pruning,
+    ``timestep_fraction`` 0.6 (every transition trains here), lr 1e-5."""
+    return Config(
+        sampler="flow_sde",
+        noise_level=0.3,
+        credit="flow_grpo",
+        shared_noise=True,
+        group_size=16,
+        step_schedule="branchgrpo",
+    )
+
+
 def grpo_guard() -> Config:
     """GRPO-Guard (zhtmike/flow_grpo, ``config/grpo_guard.py``): Flow-GRPO (Flow-SDE a = 0.7, every step
     but the last, group std, a noise per member, no KL) with RatioNorm at its clip range 2e-6 (an option
@@ -196,6 +213,18 @@ def awm() -> Config:
     )
 
 
+def dgpo() -> Config:
+    """DGPO (Luo-Yihong/DGPO, ``config/dgpo.py`` GenEval, ``scripts/train_sd3_dgpo.py``): deterministic
+    rollouts by the current policy with the model's CFG (the code: 4.5); the group-preference loss
+    against the reference (β_dpo = 100) at 4 times shared by the batch, drawn from steps 0–4 of 10,
+    one noise per group, the matching loss clipped at 1e-2 against the old policy
+    (η = min(0.001·step, 0.3)), a velocity KL β = 0.02, the group std, one optimizer step per iteration.
+    Deviations: Euler ODE steps where the code uses DPM-Solver++ with flow shift 3; the update's velocities
+    are the loop's, with the same CFG (the code trains the conditional velocity alone); no switch to
+    sampling with the old policy after 500 optimizer steps (the code's ``switch_ema_ref``)."""
+    return Config(sampler="ode", credit="flow_grpo", update="dgpo", steps_per_update=4, beta=0.02)
+
+
 def demo() -> Config:
     """The default CPU job (make demo): TP-GRPO credit (CPS α = 0.7 on steps 0–4, turning points) with
     LoRA r = 4 on the built-in U-Net, 4 counting prompts × 12, lr 3e-4, 10 iterations (≈ 8 minutes
@@ -260,6 +289,20 @@ def skill() -> Config:
     )
 
 
+def g2rpo() -> Config:
+    """G²RPO (bcmi/Granular-GRPO, ``fastvideo/train_g2rpo_hps.py``,
+    ``scripts/finetune/finetune_g2rpo_hps.sh``): TempFlow-GRPO's branch rollout (an ODE trunk per group
+    from one noise, ``init_same_noise``; one Flow-SDE step at a = 0.7, the code's ``eta``, per branch
+    step, then the ODE) on the first half of the steps (``eta_step_list`` 0–7 of 16; ours 0–4 of 10),
+    each branch also completed by the ODE on every 2nd σ (``granular_list`` 1 2), the z-scores of the
+    two completions summed and clipped to ±5 (``adv_clip_max``; :mod:`flowcredit.granular`). Unweighted
+    losses (no TempFlow std weight). Deviations: ``group_size`` 16 (theirs ``num_generations`` 12), and
+    the library's clip range and lr (theirs 1e-4 and 2e-6 for FLUX)."""
+    return Config(
+        sampler="flow_sde", noise_level=0.7, credit="flow_grpo", shared_noise=True, step_schedule="g2rpo"
+    )
+
+
 PRESETS: dict[str, Callable[[], Config]] = {}
 """Every preset by name (``--preset``)."""
 
@@ -302,6 +345,9 @@ NEWER_PRESETS = (
     "coca",
     "tree_grpo",
     "flash_grpo",
+    "branch_grpo",
+    "dgpo",
+    "g2rpo",
 )
 """The presets of the methods that came after the four this library started with (issues 39 and 60)."""
 # issue 60's, registered after issue 39's (tests/test_resume.py pairs each preset with a kill point by
@@ -310,6 +356,9 @@ register_preset("flow_dppo", flow_dppo, compared=False)
 register_preset("coca", coca, compared=False)
 register_preset("tree_grpo", tree_grpo, compared=False)
 register_preset("flash_grpo", flash_grpo, compared=False)
+register_preset("branch_grpo", branch_grpo, compared=False)
+register_preset("dgpo", dgpo, compared=False)
+register_preset("g2rpo", g2rpo, compared=False)
 
 
 def load_config(preset: str = "flow_grpo", yaml_path: str | None = None, overrides: list[str] | None = None):

@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 import torch
 
 from flowcredit.entropy_merge import flow_sde_std, merge_entropy, merge_units, step_entropy
+from flowcredit.granular import check_g2rpo, g2rpo
 from flowcredit.step_plan import StepPlan, plan_levels
 from flowcredit.step_schedule_flash import check_flash, flash_group_steps
-from flowcredit.tree_plans import check_treegrpo, treegrpo
+from flowcredit.tree_plans import branchgrpo, check_branchgrpo, check_treegrpo, treegrpo
 
 __all__ = ["STEP_SCHEDULES", "StepPlan", "StepSchedule", "flow_sde_std", "make_plan", "merge_entropy"]
 __all__ += ["merge_units", "merged_plan", "plan_levels", "register_step_schedule", "resolve_options"]
@@ -338,4 +339,6 @@ register_step_schedule("mixgrpo", mixgrpo, validate=_check_mixgrpo)
 register_step_schedule("tempflow", tempflow, validate=_check_tempflow)
 register_step_schedule("egrpo", egrpo, validate=_check_egrpo)
 register_step_schedule("treegrpo", treegrpo, validate=check_treegrpo)  # flowcredit/tree_plans.py
+register_step_schedule("branchgrpo", branchgrpo, validate=check_branchgrpo)  # flowcredit/tree_plans.py
 register_step_schedule("flash", flash, validate=check_flash, fields={"groups": "prompts_per_iter"})
+register_step_schedule("g2rpo", g2rpo, validate=check_g2rpo, fields={"clip": "adv_clip"})  # granular.py

@@ -28,63 +28,108 @@ from __future__ import annotations
 
 import torch
 
-from flowcredit.step_plan import StepPlan
+from flowcredit.step_plan import StepPlan, TreeShape
 
 TREE_WEIGHTINGS = ("prob", "uniform")
 
 
-def tree_advantages(leaf: torch.Tensor, edge_logp: torch.Tensor, fanout: int, weighting: str = "prob"):
-    """Each leaf's advantage at each of its ``d`` edges ``(B, d)``, from ``leaf (B,)``, ``edge_logp (B, d)``.
+def node_values(leaf: torch.Tensor, split_logp: torch.Tensor, fanout: int, weighting: str = "prob"):
+    """The value of each leaf's ancestor at every depth ``(B, d + 1)`` (column ``m``: depth ``m``, ``0`` the
+    root, ``d`` the leaf), from ``leaf (B,)`` and ``split_logp (B, d)``.
 
-    Rows are groups of ``k^d`` leaves (``k = fanout``), leaf ``l`` of a group below node ``l // k^{d−m}`` of
-    depth ``m``. Values: ``V(leaf) = leaf``; a node of depth ``m < d``:
-    ``V(n) = Σ_c w_c V(c)`` over its ``k`` children ``c``, ``w = softmax_c(logp of the edge n → c)``
-    (``weighting="prob"``: π_old-probability weights among siblings) or ``1/k`` (``"uniform"``). The edge
-    at depth ``j`` (``s_j``, into a node of depth ``j + 1``) gets ``V`` of that node: column ``j`` of the
-    result. ``edge_logp[r, j]`` is the log-density of leaf ``r``'s edge at ``s_j`` (equal on every leaf
-    below that edge).
+    Rows are groups of ``k^d`` leaves (``k = fanout``), leaf ``l`` of a group below node ``l // k^{d−m}``
+    of depth ``m``. ``V(leaf) = leaf``; a node of depth ``m < d``: ``V(n) = Σ_c w_c V(c)`` over its ``k``
+    children, ``w = softmax_c(logp of the split transition n → c)`` (``weighting="prob"``:
+    π_old-probability weights among siblings) or ``1/k`` (``"uniform"``: on a full tree, the mean over
+    the node's leaves). ``split_logp[r, j]``: the log-density of leaf ``r``'s transition at the ``j``-th
+    split (equal on every leaf below it).
     """
-    b, d = edge_logp.shape
+    b, d = split_logp.shape
     per = fanout**d
     if b % per or leaf.shape != (b,) or weighting not in TREE_WEIGHTINGS:
-        raise ValueError(f"tree_advantages: {b} rows are not groups of {fanout}^{d} leaves, or bad weighting")
+        raise ValueError(f"node_values: {b} rows are not groups of {fanout}^{d} leaves, or bad weighting")
     groups = b // per
     value = leaf.reshape(groups, per)  # (P, k^d): values of the depth-d nodes
     columns = [value]
-    for m in range(d - 1, 0, -1):  # the values of depth m from those of depth m + 1 (edges at s_m)
+    for m in range(d - 1, -1, -1):  # the values of depth m from those of depth m + 1 (the m-th split)
         below = per // fanout ** (m + 1)  # leaves under each node of depth m + 1
-        logp = edge_logp[:, m].reshape(groups, per)[:, ::below].reshape(groups, fanout**m, fanout)
+        logp = split_logp[:, m].reshape(groups, per)[:, ::below].reshape(groups, fanout**m, fanout)
         w = torch.softmax(logp, dim=-1) if weighting == "prob" else torch.full_like(logp, 1.0 / fanout)
         value = (w * value.reshape(groups, fanout**m, fanout)).sum(-1)  # (P, k^m)
         columns.insert(0, value)
-    # column j holds the values of the k^{j+1} nodes of depth j + 1: spread to the leaves below each
+    # column m holds the values of the k^m nodes of depth m: spread to the leaves below each
     out = [col.repeat_interleave(per // col.shape[1], dim=1).reshape(b) for col in columns]
     return torch.stack(out, dim=1)
 
 
-def owned_edges(b: int, fanout: int, depth: int) -> torch.Tensor:
-    """``(B, d)`` bool: leaf ``r`` trains its edge at ``s_j`` iff it is the first leaf below that edge."""
-    leaf = torch.arange(b) % fanout**depth
-    below = torch.tensor([fanout ** (depth - 1 - j) for j in range(depth)])  # leaves under an edge of depth j
-    return leaf.view(-1, 1) % below.view(1, -1) == 0
+def tree_advantages(leaf: torch.Tensor, edge_logp: torch.Tensor, fanout: int, weighting: str = "prob"):
+    """TreeGRPO's edge advantages ``(B, d)``: the edge at the ``j``-th split gets ``V`` of the node of depth
+    ``j + 1`` it leads to (:func:`node_values` without the root's column)."""
+    return node_values(leaf, edge_logp, fanout, weighting)[:, 1:]
+
+
+def depth_zscore(values: torch.Tensor, fanout: int, eps: float = 1e-4) -> torch.Tensor:
+    """BranchGRPO's normalisation: each depth's node values ``(B, d + 1)`` (:func:`node_values`) z-scored
+    among the ``k^m`` nodes of that depth of one tree (population std; a depth of one node, or of equal
+    values, gives 0), spread back to the leaves."""
+    b, d1 = values.shape
+    per = fanout ** (d1 - 1)
+    out = torch.zeros_like(values)
+    for m in range(d1):
+        nodes = values[:, m].reshape(b // per, per)[:, :: per // fanout**m]  # (P, k^m)
+        centred = nodes - nodes.mean(dim=1, keepdim=True)
+        z = centred / (nodes.std(dim=1, unbiased=False, keepdim=True) + eps)
+        z = torch.where(centred.abs().amax(dim=1, keepdim=True) > 0, z, torch.zeros_like(z))
+        out[:, m] = z.repeat_interleave(per // fanout**m, dim=1).reshape(b)
+    return out
+
+
+def step_depths(splits: tuple[int, ...], m: int) -> torch.Tensor:
+    """``(M,)``: the depth of the node each step's transition leads into (splits at or before the step)."""
+    return (torch.arange(m).view(-1, 1) >= torch.tensor(splits).view(1, -1)).sum(dim=1)
+
+
+def owned_steps(b: int, shape: TreeShape, sde: torch.Tensor) -> torch.Tensor:
+    """``(B, M)`` bool: leaf ``r`` trains its SDE step ``i`` iff it is the first leaf below that transition
+    (below a transition into depth ``m``: ``k^{d−m}`` leaves)."""
+    d = len(shape.splits)
+    leaf = torch.arange(b) % shape.leaves
+    below = shape.fanout ** (d - step_depths(shape.splits, sde.numel()))  # (M,) leaves under each transition
+    return (leaf.view(-1, 1) % below.view(1, -1) == 0) & sde.view(1, -1)
+
+
+def edge_advantages(leaf: torch.Tensor, logp: torch.Tensor, shape: TreeShape, sde: torch.Tensor):
+    """``(B, M)``: each SDE step's transition gets the value of the node it leads into (depth-normalised
+    for ``shape.normalize == "depth"``), 0 on the ODE steps; ``leaf (B,)``, ``logp (B, M)``."""
+    values = node_values(leaf, logp[:, list(shape.splits)], shape.fanout, shape.weighting)  # (B, d + 1)
+    if shape.normalize == "depth":
+        values = depth_zscore(values, shape.fanout)
+    out = values[:, step_depths(shape.splits, sde.numel())]  # (B, M)
+    return torch.where(sde.view(1, -1), out, torch.zeros_like(out))
 
 
 def tree_calls(plan: StepPlan, group_size: int) -> float:
-    """Network calls per leaf of one tree plan's rollout: the trunk (``s_0`` steps) once per group, each
-    depth-``j`` segment ``(s_{j+1} − s_j)`` steps once per node of depth ``j + 1`` (``s_d = M``)."""
-    steps = plan.sde.nonzero()[:, 0].tolist()
-    k, m = plan.fanout, plan.sde.numel()
-    ends = [*steps[1:], m]
-    calls = steps[0] + sum(k ** (j + 1) * (end - s) for j, (s, end) in enumerate(zip(steps, ends)))
+    """Network calls per leaf of one tree plan's rollout: the path to the first split ``t_0`` once per
+    group, the path from the ``j``-th split ``(t_{j+1} − t_j)`` steps once per node of depth ``j + 1``
+    (``t_d = M``)."""
+    splits, k, m = list(plan.tree.splits), plan.tree.fanout, plan.sde.numel()
+    ends = [*splits[1:], m]
+    calls = splits[0] + sum(k ** (j + 1) * (end - s) for j, (s, end) in enumerate(zip(splits, ends)))
     return calls / group_size
 
 
-def tree_plan(sigmas: torch.Tensor, steps: list[int], fanout: int, weighting: str = "prob") -> StepPlan:
-    """The tree plan on the grid ``sigmas`` branching at ``steps`` (increasing) into ``fanout`` children."""
+def tree_plan(
+    sigmas: torch.Tensor, splits: list[int], fanout: int, weighting: str = "prob", **shape
+) -> StepPlan:
+    """The tree plan on the grid ``sigmas`` splitting at ``splits`` (increasing) into ``fanout`` children;
+    ``shape``: ``sde_steps`` (more SDE steps, each a single transition between splits; default none: the
+    ODE between splits) and ``normalize`` (:class:`~flowcredit.step_plan.TreeShape`)."""
     n = sigmas.numel() - 1
     sde = torch.zeros(n, dtype=torch.bool)
-    sde[steps] = True
-    return StepPlan(sigmas, sde, sde.clone(), torch.arange(n + 1), fanout=fanout, tree_weighting=weighting)
+    sde[list(splits)] = True
+    sde[list(shape.get("sde_steps", ()))] = True
+    tree = TreeShape(fanout, tuple(splits), weighting, shape.get("normalize", "none"))
+    return StepPlan(sigmas, sde, sde.clone(), torch.arange(n + 1), tree=tree)
 
 
 def truncated_geometric(last: int, p: float, generator: torch.Generator) -> int:
@@ -119,3 +164,31 @@ def check_treegrpo(o: dict) -> None:
         _fail("p", f"must lie in (0, 1], got {o['p']}")
     if o["skip_last"] < 0 or o["weighting"] not in TREE_WEIGHTINGS:
         _fail("weighting", f"one of {TREE_WEIGHTINGS}; skip_last >= 0")
+
+
+BRANCHGRPO_SPLITS = [0, 1, 3, 4]
+"""BranchGRPO's splits on our 10-step grid: theirs, 0, 3, 6, 9 of 20 steps (``TREE_SPLIT_POINTS``), halved
+and rounded down."""
+
+
+def branchgrpo(
+    sigmas, *, level, iteration, total, generator, splits=None, fanout=2, skip_last=1,
+    weighting="uniform", normalize="depth",
+):  # fmt: skip
+    """BranchGRPO's tree (module docstring): binary splits at ``splits``, the SDE on every step but the last
+    ``skip_last`` (each a transition of its own between splits), node values the mean over their leaves
+    (``weighting="uniform"``; ``"prob"``: the authors' ``--tree_prob_weighted``), z-scored per depth."""
+    n, splits = sigmas.numel() - 1, list(BRANCHGRPO_SPLITS if splits is None else splits)
+    return tree_plan(sigmas, splits, fanout, weighting, sde_steps=range(n - skip_last), normalize=normalize)
+
+
+def check_branchgrpo(o: dict) -> None:
+    """The options of ``branchgrpo``: at least one split, increasing, ``fanout ≥ 2``; the grid checks the
+    rest when the plan is built (a split must be an SDE step)."""
+    splits = list(BRANCHGRPO_SPLITS if o["splits"] is None else o["splits"])
+    if not splits or splits != sorted(set(splits)) or min(splits) < 0 or o["fanout"] < 2:
+        raise ValueError(
+            f"step schedule 'branchgrpo': option 'splits' {splits} must increase from 0 (fanout >= 2)"
+        )
+    if o["weighting"] not in TREE_WEIGHTINGS or o["normalize"] not in ("none", "depth") or o["skip_last"] < 0:
+        raise ValueError(f"step schedule 'branchgrpo': weighting in {TREE_WEIGHTINGS}, normalize none/depth")

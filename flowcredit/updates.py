@@ -8,7 +8,8 @@ Two kinds, told apart by ``needs`` (:data:`NEEDS`):
   region on the transitions' exact divergence instead of the ratio clip).
 - forward process (``"clean"``): noise the rollout's final sample afresh and regress the velocity
   there, as in pretraining; no likelihood, any sampler. ``awm`` (Advantage Weighted Matching, arXiv
-  2509.25050) and ``nft`` (DiffusionNFT, arXiv 2509.16117).
+  2509.25050), ``nft`` (DiffusionNFT, arXiv 2509.16117) and ``dgpo`` (DGPO, arXiv 2510.08425, in
+  :mod:`flowcredit.update_dgpo`: a group's preference against the reference, one noise per group).
 
 Conventions (docs/algorithms.md §0): ``clean`` is the rollout's image latent ``x_N`` (the papers'
 ``x_0``), ``t`` is a σ value and ``x_t = (1 − t)·clean + t·ε``, the target velocity is ``ε − clean``.
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flowcredit.update_dgpo import dgpo, dgpo_clipped, dgpo_group_weights, dgpo_times
 from flowcredit.update_rules import (
     AWM_WEIGHTINGS,
     NFT_WEIGHTINGS,
@@ -67,6 +69,10 @@ __all__ = [
     "awm_times",
     "awm_weighted_error",
     "clipped",
+    "dgpo",
+    "dgpo_clipped",
+    "dgpo_group_weights",
+    "dgpo_times",
     "dppo",
     "dppo_divergence",
     "dppo_masked",
@@ -89,13 +95,17 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "time": ("t",),
     "velocity": ("v_theta",),
     "old_velocity": ("v_old",),
+    "ref_velocity": ("v_ref",),
+    "group": ("group",),
 }
 """What the loop can provide, and the keywords it passes for each (besides ``adv (B,)``):
 ``logp``: the current policy's log-density of the stored transition (with grad) and the rollout's;
 ``mean``: both transition means ``(B, …)`` and the step's std ``(B,)``; ``clean``: the rollout's
 final latent; ``noise``: fresh ``ε ~ N(0, I)``; ``time``: ``t (B,)`` from the rule's ``times``;
 ``velocity``: the current policy's velocity at ``noised(clean, noise, t)`` (with grad);
-``old_velocity``: the old policy's velocity at the same point (no grad; a second forward)."""
+``old_velocity``: the old policy's velocity at the same point (no grad; a second forward);
+``ref_velocity``: the reference policy's there (no grad; the forward the KL term takes at β > 0);
+``group``: ``(B,)`` integer ids of the rows' groups, each micro-batch holding whole groups."""
 
 _POINT = ("clean", "noise", "time", "velocity")  # every forward-process rule evaluates v_θ at x_t
 SAMPLES_WITH = ("current", "old")
@@ -130,6 +140,8 @@ class Update:
         clipfrac: ``(**keywords of fn, **options) -> fraction`` of the rows the rule clips or masks
             (``stats/clipfrac``); None: the ratio against ``clip_range`` (a rule that needs ``mean``:
             GRPO-Guard's normalised ratio).
+        group_noise: forward-process rules: one fresh noise per group and draw, shared by the group's
+            rows (DGPO's ``use_shared_noise``), instead of one per row.
     """
 
     fn: UpdateFn
@@ -142,6 +154,7 @@ class Update:
     check: Callable[[Mapping[str, object]], None] | None = None
     drops_zero_advantage: bool = False
     clipfrac: Callable[..., torch.Tensor] | None = None
+    group_noise: bool = False
 
     @property
     def forward(self) -> bool:
@@ -152,6 +165,11 @@ class Update:
     def doc(self) -> str:
         """The first line of the loss function's docstring."""
         return (inspect.getdoc(self.fn) or "").partition("\n")[0]
+
+    def calls(self, beta: float) -> int:
+        """Network calls per row and time draw of a forward-process rule: θ, the old policy, and the
+        reference when β > 0 or the loss needs it."""
+        return 2 + int(bool(beta) or "ref_velocity" in self.needs)
 
     def inputs(self) -> tuple[str, ...]:
         """The keywords the loop passes to ``fn`` besides ``adv`` and the options."""
@@ -183,6 +201,7 @@ def register_update(
     check: Callable[[Mapping[str, object]], None] | None = None,
     drops_zero_advantage: bool = False,
     clipfrac: Callable[..., torch.Tensor] | None = None,
+    group_noise: bool = False,
 ) -> Update:
     """Register an update rule under ``name``; returns its entry. Raises ``ValueError`` for a taken
     name, an unknown or inconsistent ``needs``, or a keyword that no function of the entry accepts."""
@@ -198,10 +217,16 @@ def register_update(
     forward = "clean" in needs
     if forward and not set(_POINT) <= set(needs):
         raise bad(f"a forward-process rule needs all of {_POINT}")
-    if not forward and ({"old_velocity", *_POINT} & set(needs) or "mean" in needs and "logp" not in needs):
+    if not forward and (
+        {"old_velocity", "ref_velocity", "group", *_POINT} & set(needs)
+        or "mean" in needs
+        and "logp" not in needs
+    ):
         raise bad("a reverse-process rule takes 'logp' and optionally 'mean'")
     if forward != (times is not None):
         raise bad("a forward-process rule, and only one, must give its time sampler `times`")
+    if group_noise and not forward:
+        raise bad("group_noise is for a forward-process rule")
     if samples_with not in SAMPLES_WITH or (samples_with == "old" and "old_velocity" not in needs):
         raise bad(f"samples_with must be one of {SAMPLES_WITH}; 'old' needs 'old_velocity'")
     params = inspect.signature(fn).parameters
@@ -215,7 +240,7 @@ def register_update(
     if set(fields) - set(options):
         raise bad(f"fields name options it does not have: {sorted(set(fields) - set(options))}")
     entry = Update(fn, needs, options, fields, times, old_decay, samples_with, check, drops_zero_advantage)
-    entry = dataclasses.replace(entry, clipfrac=clipfrac)
+    entry = dataclasses.replace(entry, clipfrac=clipfrac, group_noise=group_noise)
     UPDATES[name] = entry
     return entry
 
@@ -264,6 +289,7 @@ _LIMITS: dict[str, tuple[Callable[[float], bool], str]] = {
     "power": (lambda v: v > 0, "> 0"),
     "beta": (lambda v: v > 0, "> 0"),
     "old_beta": (lambda v: v >= 0, ">= 0"),
+    "beta_dpo": (lambda v: v > 0, "> 0"),
     "time_draws": (lambda v: v >= 1, ">= 1"),
     "time_fraction": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "old_decay_rate": (lambda v: v >= 0, ">= 0"),
@@ -339,4 +365,18 @@ register_update(
     old_decay=soft_update_decay,
     samples_with="old",
     check=_NFT_CHECK,
+)
+# DGPO (config/dgpo.py, GenEval): β_dpo 100, the matching loss clipped at 1e-2 against the old policy,
+# 4 shared times from steps 0-4 of 10, the old policy's η = min(0.001·step, 0.3) (its ``ema_ref``)
+_DGPO = {"beta_dpo": 100.0, "clip_range": 1e-2, "time_draws": 4, "time_fraction": 0.5, "old_decay_max": 0.3}
+register_update(
+    "dgpo",
+    dgpo,
+    (*_FORWARD, "ref_velocity", "group"),
+    _DGPO | _OLD,
+    times=dgpo_times,
+    old_decay=soft_update_decay,
+    check=_checker(),
+    drops_zero_advantage=True,  # A = 0 adds 0 to its group's sum and A·ℓ = 0: no gradient at any θ
+    group_noise=True,
 )

@@ -49,11 +49,12 @@ from flowcredit.validation import validate  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 KINDS = ("tiny", *BUILDERS)
 PROMPTS = ["a red square", "a photo of a cat"]
-FORWARD = ("nft", "awm")  # forward-process update rules (DiffusionNFT, AWM): an old policy too
+FORWARD = ("nft", "awm", "dgpo")  # forward-process update rules (DiffusionNFT, AWM, DGPO): an old policy too
 SMALL = dict(reward="reward_fixtures:brightness", prompts_per_iter=1, num_eval_prompts=1, eval_num_steps=2)
 SMALL |= dict(threads=1, log_with="none")
 NUM_STEPS = {"awm": 10, "flow_dppo": 6}  # AWM's window 7 assumes 10 steps (σ' ∈ [0.3, 0.9]); Flow-DPPO's is 5
 TREES = {"tree_grpo": dict(group_size=4, step_schedule_options='{"fanout": 2, "depth": 2}')}  # 4 leaves
+TREES["branch_grpo"] = dict(group_size=4, step_schedule_options='{"splits": [0, 1]}')  # 4 leaves, SDE on 0–2
 RESUMED = [(preset, "float32") for preset in NEWER_PRESETS] + [("awm", "bfloat16")]
 """The resume tests: every preset in float32, and AWM (the most state: LoRA, optimizer, old policy; an
 SDE window and a KL to the old policy) in bfloat16 too; the other presets' bf16 runs train one iteration."""

@@ -23,6 +23,8 @@ MATH_CORE = (
     *("updates", "update_rules", "step_schedules", "entropy_merge", "step_weights", "credit_audit"),
     "guard_signals",
     "step_schedule_flash",
+    "update_dgpo",
+    "granular",
 )
 
 

@@ -43,6 +43,7 @@ EXTRA = {
     "awm": {"update_options": '{"time_draws": 2, "old_decay_rate": 0.3}'},
     "diffusion_nft": {"update_options": '{"old_decay_rate": 0.2}'},
     "tree_grpo": {"group_size": 4, "step_schedule_options": '{"fanout": 2, "depth": 2}'},  # 4 leaves
+    "branch_grpo": {"group_size": 4, "step_schedule_options": '{"splits": [0, 2]}'},  # 4 leaves
 }
 
 

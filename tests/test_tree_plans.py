@@ -13,8 +13,9 @@ import torch
 from loop_probes import small_config
 
 from flowcredit.errors import ConfigError
+from flowcredit.step_plan import TreeShape
 from flowcredit.step_schedules import STEP_SCHEDULES, make_plan, register_step_schedule
-from flowcredit.tree_plans import owned_edges, tree_advantages, tree_calls, tree_plan, treegrpo
+from flowcredit.tree_plans import owned_steps, tree_advantages, tree_calls, tree_plan, treegrpo
 
 
 def test_edge_values_by_hand():
@@ -66,9 +67,13 @@ def test_edge_values_against_a_recursion(k, d):
 
 
 def test_each_edge_is_trained_once():
-    owned = owned_edges(8, 2, 2)  # two trees of 4 leaves
-    assert owned.tolist() == [[True, True], [False, True], [True, True], [False, True]] * 2
-    assert int(owned_edges(27, 3, 3).sum()) == 3 + 9 + 27  # every edge of a 3-ary tree of depth 3
+    sde = torch.tensor([True, True, False])  # splits at steps 0 and 1, the ODE at step 2
+    owned = owned_steps(8, TreeShape(2, (0, 1)), sde)  # two trees of 4 leaves
+    assert (
+        owned.tolist()
+        == [[True, True, False], [False, True, False], [True, True, False], [False, True, False]] * 2
+    )
+    assert int(owned_steps(27, TreeShape(3, (0, 1, 2)), torch.ones(3, dtype=torch.bool)).sum()) == 3 + 9 + 27
 
 
 def test_network_calls_of_a_tree():
@@ -86,7 +91,7 @@ def test_treegrpo_window_draws():
     for it in range(6000):
         plan = treegrpo(sigmas, level=0.7, iteration=it, total=10, generator=g, p=0.4)
         steps = plan.sde.nonzero()[:, 0].tolist()
-        assert steps == list(range(steps[0], steps[0] + 3)) and plan.fanout == 3
+        assert steps == list(range(steps[0], steps[0] + 3)) and plan.tree.fanout == 3
         counts[steps[0]] += 1
     want = 0.4 * 0.6 ** torch.arange(7.0)
     assert torch.allclose(counts / counts.sum(), want / want.sum(), atol=0.02)
@@ -163,3 +168,53 @@ def test_the_skill_arm_spends_the_presets_calls_and_its_claim_is_registered():
     assert spent(arm) == pytest.approx(spent(base), rel=0.002)  # equal calls, up to an iteration's rounding
     claim = ("skill-tree", "TreeGRPO: at least as good as Flow-GRPO at equal network calls", "noninferior")
     assert claim in SKILL_CLAIMS
+
+
+# --- BranchGRPO: SDE paths between the splits, node values z-scored per depth ---
+
+
+def test_depth_zscore_by_hand():
+    from flowcredit.tree_plans import depth_zscore, node_values
+
+    leaf = torch.tensor([1.0, 3.0, 2.0, 2.0])  # one tree, k = 2, d = 2; uniform weights: means
+    values = node_values(leaf, torch.zeros(4, 2), 2, "uniform")
+    assert values.tolist() == [[2.0, 2.0, 1.0], [2.0, 2.0, 3.0], [2.0, 2.0, 2.0], [2.0, 2.0, 2.0]]
+    z = depth_zscore(values, 2, eps=0.0)
+    # root alone: 0; depth 1: both nodes 2.0: 0; leaves 1, 3, 2, 2: mean 2, population std √0.5
+    s = math.sqrt(0.5)
+    assert torch.allclose(z, torch.tensor([[0, 0, -1 / s], [0, 0, 1 / s], [0, 0, 0], [0, 0, 0.0]]))
+
+
+def test_transitions_between_splits_take_their_nodes_value():
+    from flowcredit.tree_plans import edge_advantages
+
+    shape = TreeShape(2, (0, 2), "uniform")  # splits at 0 and 2; step 1 a path of its own, step 3 ODE
+    sde = torch.tensor([True, True, True, False])
+    leaf = torch.tensor([1.0, -1.0, 4.0, 0.0])
+    adv = edge_advantages(leaf, torch.zeros(4, 4), shape, sde)
+    depth1 = [0.0, 0.0, 2.0, 2.0]  # the means of leaves (1, −1) and (4, 0)
+    assert adv[:, 0].tolist() == depth1 and adv[:, 1].tolist() == depth1  # step 1 leads into depth 1
+    assert adv[:, 2].tolist() == leaf.tolist() and adv[:, 3].tolist() == [0.0] * 4
+    owned = owned_steps(4, shape, sde)
+    assert owned[:, 1].tolist() == [True, False, True, False] and not owned[:, 3].any()
+    plan = tree_plan(torch.linspace(1, 0, 5), [0, 2], 2, sde_steps=[1])
+    assert tree_calls(plan, 4) == pytest.approx((0 + 2 * 2 + 4 * 2) / 4)
+
+
+def test_branchgrpo_iteration_shares_each_nodes_path(tmp_path, monkeypatch):
+    from loop_probes import record_iteration, small_session
+
+    options = '{"splits": [0, 2]}'  # 5 steps: SDE on 0–3, splits at 0 and 2: 4 leaves
+    s = small_session(
+        "branch_grpo", tmp_path, group_size=4, num_steps=5, step_schedule_options=options, shared_noise=True
+    )
+    seen, metrics = record_iteration(s, monkeypatch)
+    states, trained = seen["ro"].states, seen["sampled"].row_trained  # (8, 6, …), (8, 5)
+    for t in (0, 4):
+        assert torch.equal(states[t, :3], states[t + 1, :3])  # leaves 0, 1 share their depth-1 node's path
+        assert not torch.equal(states[t, 3], states[t + 1, 3])  # and split at step 2
+        assert not torch.equal(states[t, 1], states[t + 2, 1])  # the two depth-1 nodes differ from step 0
+    yes, no = True, False
+    owned = [[yes, yes, yes, yes, no], [no, no, yes, yes, no]] * 2  # depth-1 transitions: leaves 0, 2
+    assert trained[:4].tolist() == owned
+    assert metrics["nfe/rollout"] == s.guidance_passes * 2 * (2 * 2 + 4 * 3)  # 2 trees: 2 nodes × 2, 4 × 3

@@ -84,7 +84,7 @@ def nfe_parts(cfg: Config) -> dict[str, float]:
         draws = rule.times(
             grid, 1, torch.Generator().manual_seed(0), **rule.split(update_options(cfg))[1]
         ).shape[0]
-        update = draws * cfg.inner_epochs * (3 if cfg.beta else 2)
+        update = draws * cfg.inner_epochs * rule.calls(cfg.beta)
     else:
         trained = sum(trained_per_row(p) for p in plans) / len(plans)
         update = trained * cfg.inner_epochs * (2 if cfg.beta else 1)
@@ -93,25 +93,33 @@ def nfe_parts(cfg: Config) -> dict[str, float]:
 
 def trained_per_row(plan) -> float:
     """Steps one trajectory trains: the plan's trained steps; a per-group plan's (Flash-GRPO) one step; a
-    tree's edges over its leaves (each edge trained once: ``Σ_j k^{j+1} / k^d``)."""
-    if plan.fanout:
-        d = int(plan.sde.sum())
-        return sum(plan.fanout ** (j + 1) for j in range(d)) / plan.fanout**d
+    tree's transitions over its leaves (each trained once: TreeGRPO's ``Σ_j k^{j+1} / k^d``)."""
+    if plan.tree is not None:  # a transition into depth m is trained once per node of depth m
+        from flowcredit.tree_plans import step_depths
+
+        depths = step_depths(plan.tree.splits, plan.sde.numel())[plan.sde]
+        return float(sum(plan.tree.fanout ** int(m) for m in depths)) / plan.tree.leaves
     return 1 if plan.group_step is not None else int(plan.trained.sum())
 
 
 def rollout_calls(plan, group_size: int) -> float:
     """Network calls per trajectory of one plan's rollout: its ``M`` steps; a branch plan's trunk
-    (``k_max`` steps once per group) and each branch ``k`` (``M − k`` steps per row)."""
+    (``k_max`` steps once per group) and each branch ``k`` (``M − k`` steps per row; G²RPO's coarse
+    completions on top, :func:`flowcredit.granular.granular_calls`)."""
     m = plan.sde.numel()
-    if plan.fanout:
+    if plan.tree is not None:
         from flowcredit.tree_plans import tree_calls
 
         return tree_calls(plan, group_size)
     if not plan.branch:
         return float(m)
     ks = plan.sde.nonzero()[:, 0].tolist()
-    return max(ks) / group_size + sum(m - k for k in ks)
+    extra = 0
+    if plan.granular is not None:  # G²RPO's coarse completions of every branch
+        from flowcredit.granular import granular_calls
+
+        extra = granular_calls(plan.sigmas, ks, plan.granular.widths)
+    return max(ks) / group_size + sum(m - k for k in ks) + extra
 
 
 def nominal_calls(cfg: Config) -> float:
@@ -171,6 +179,10 @@ COCA = ["--credit", "coca"]
 FLASH = ["--step_schedule", "flash", "--step_weight", "flash"]
 FLASH += ["--sampler", "flash_sde", "--noise_level", "0.9"]  # Flash-GRPO's SDE at σ_1 of the 10-step grid
 TREE = ["--step_schedule", "treegrpo", "--step_schedule_options", '{"skip_last": 5}', "--group_size", "27"]
+BRANCH = ["--step_schedule", "branchgrpo", "--step_schedule_options", '{"skip_last": 5}']
+BRANCH += ["--group_size", "16"]
+DGPO = ["--update", "dgpo", "--sampler", "ode", "--steps_per_update", "4"]  # ODE with CFG, as its code
+G2RPO = ["--step_schedule", "g2rpo"]  # branch steps 0–4 (the first half), widths 1 2, summed
 
 SKILL_ARMS = {
     "tp": TP,
@@ -190,6 +202,9 @@ SKILL_ARMS = {
     "coca": lambda cfg: _equal_nfe(cfg, COCA),
     "flash": lambda cfg: _equal_nfe(cfg, FLASH),
     "tree": lambda cfg: _equal_nfe(cfg, [*TREE, *SHARED]),
+    "branch": lambda cfg: _equal_nfe(cfg, [*BRANCH, *SHARED]),
+    "dgpo_quarter": lambda cfg: _equal_nfe(cfg, DGPO, 0.25),
+    "g2rpo": lambda cfg: _equal_nfe(cfg, [*G2RPO, *SHARED]),
 }
 """The arms beside the preset (Flow-GRPO credit, CPS): TP-GRPO credit at the same iterations and at
 the preset's NFE; DenseGRPO (Dance-SDE with ψ calibrated on the frozen base, then dense gains; the
@@ -219,7 +234,11 @@ step per prompt group drawn from the preset's window (steps 0–4), its own SDE 
 network calls; pre-registered and not run yet. TreeGRPO (``tree``): its tree of 3 × 3 children
 from a shared noise (27 leaves per prompt) with the window's start drawn from steps 0–2, so that
 its branch steps stay in the preset's window 0–4, at the preset's network calls; pre-registered and
-not run yet."""
+not run yet. BranchGRPO (``branch``): binary splits at steps 0, 1, 3, 4 of one noise per prompt (16
+leaves), the preset's CPS on the paths of steps 0–4, ODE after, values z-scored per depth;
+pre-registered and not run yet. DGPO (``dgpo_quarter``): deterministic rollouts with the preset's CFG
+(as its code samples with CFG) and its group-preference update (4 shared times, one optimizer step
+per iteration) at a quarter of the preset's network calls; pre-registered and not run yet."""
 
 
 def training_curve(rows: list[dict]) -> dict[str, list[float]]:

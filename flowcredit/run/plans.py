@@ -48,13 +48,13 @@ def iteration_plan(cfg: Config, sigmas: torch.Tensor, iteration: int) -> StepPla
         raise ConfigError("step_schedule", f"{where} trains step 0, where {cfg.sampler} has std 0")
     if entry.last_step_deterministic and bool(plan.trained[m - 1]):
         raise ConfigError("step_schedule", f"{where} trains the last step, where {cfg.sampler} has std 0")
-    if (plan.branch or plan.fanout) and (cfg.credit != "flow_grpo" or not cfg.shared_noise):
+    if (plan.branch or plan.tree is not None) and (cfg.credit != "flow_grpo" or not cfg.shared_noise):
         raise ConfigError(
             "shared_noise" if cfg.credit == "flow_grpo" else "credit",
             f"{where} branches: its rows need shared_noise=true and credit=flow_grpo (a process reward)",
         )
-    leaves = plan.fanout ** int(plan.sde.sum())
-    if plan.fanout and cfg.group_size != leaves:
+    if plan.tree is not None and cfg.group_size != plan.tree.leaves:
+        leaves = plan.tree.leaves
         raise ConfigError("group_size", f"{cfg.group_size}, but {where} grows {leaves} leaves per prompt")
     if plan.group_step is not None:
         _check_group_plan(cfg, where)
@@ -83,8 +83,13 @@ def sample(model, cond, group, x0, plan: StepPlan, levels, step_fn, generator, r
         from flowcredit.run.group_plans import group_sample
 
         return group_sample(model, cond, group, x0, plan, levels, step_fn, generator, rows, **opts)
-    if plan.fanout:
+    if plan.tree is not None:
         return tree_sample(model, cond, group, x0, plan, levels, step_fn, generator, rows, **opts)
+    if plan.granular is not None:  # G²RPO: a branch plan with coarser completions
+        from flowcredit.run.granular_plans import with_completions
+
+        fine = branch_sample(model, cond, group, x0, plan, levels, step_fn, generator, rows, **opts)
+        return with_completions(fine, model, cond, plan, step_fn, **opts)
     if not plan.branch:
         ro = rollout(model, cond, group, x0, plan.sigmas, levels, step_fn, generator, rows=rows, **opts)
         row_trained = plan.trained.view(1, -1).expand(len(group), -1)
@@ -93,66 +98,66 @@ def sample(model, cond, group, x0, plan: StepPlan, levels, step_fn, generator, r
 
 
 def tree_sample(model, cond, group, x0, plan: StepPlan, levels, step_fn, generator, rows, **opts) -> Sampled:
-    """A tree plan's rollout (:mod:`flowcredit.tree_plans`): one ODE trunk per group to ``s_0``, then per
-    branch step ``s_j`` every node's ``k`` children (one SDE step each, then the ODE to ``s_{j+1}``); the
-    ``B`` rows are the leaves, each with its path's states, and each edge trained on one leaf."""
-    from flowcredit.tree_plans import owned_edges, tree_advantages
+    """A tree plan's rollout (:mod:`flowcredit.tree_plans`): one path per group to the first split
+    ``t_0``, then at each split ``t_j`` every node's ``k`` children, each following its own path to
+    ``t_{j+1}`` (SDE on the plan's SDE steps); the ``B`` rows are the leaves, each with its path's states,
+    and each transition trained on the first leaf below it. Noise: each path's rows are rows of a
+    batch of ``P·k^j`` (``rows`` scaled), so a split over processes draws what one process draws."""
+    from flowcredit.tree_plans import edge_advantages, owned_steps
 
-    opts = {k: v for k, v in opts.items() if k not in ("keep_uncond", "keep_velocity")}
-    steps, k, m = plan.sde.nonzero()[:, 0].tolist(), plan.fanout, plan.sde.numel()
-    d, b = len(steps), len(group)
-    per = k**d  # leaves per group
+    opts = {key: v for key, v in opts.items() if key not in ("keep_uncond", "keep_velocity")}
+    shape, m, b = plan.tree, plan.sde.numel(), len(group)
+    splits, k, per = list(shape.splits), shape.fanout, shape.leaves
     if b % per or not torch.equal(x0, x0[::per].repeat_interleave(per, 0)):
-        raise ValueError(f"a tree plan needs groups of {k}^{d} rows sharing x0 (group_size, shared_noise)")
+        raise ValueError(f"a tree plan needs groups of {per} rows sharing x0 (group_size, shared_noise)")
     total, lo, hi = rows
     roots = group[::per]  # (P,) each tree's prompt
-    trunk = _trunk(model, cond, roots, x0[::per], plan.sigmas[: steps[0] + 1], step_fn, opts)  # (P, s0+1, …)
-    nodes, nfe = trunk[:, -1], len(roots) * steps[0]
-    segments = []
-    for j, (s, end) in enumerate(zip(steps, [*steps[1:], m])):
+
+    def paths(width, starts, sigmas, lv):  # the P·width nodes of one depth, each along its own path
+        scaled = (total // per * width, lo // per * width, hi // per * width)
+        nodes = roots.repeat_interleave(width)  # (P·width,) each node's prompt
+        return rollout(model, cond, nodes, starts, sigmas, lv, step_fn, generator, rows=scaled, **opts)
+
+    if splits[0]:
+        trunk = paths(1, x0[::per], plan.sigmas[: splits[0] + 1], levels[: splits[0]])  # (P, t_0 + 1, …)
+    else:  # a split at step 0: the roots are x_0 alone
+        x, none = x0[::per].float()[:, None], torch.zeros(len(roots), 0)
+        trunk = Rollout(x, none, none, None, x[:, :0] if opts.get("keep_mean") else None)
+    segments, nfe, last = [], len(roots) * splits[0], trunk.states[:, -1]
+    for j, (s, end) in enumerate(zip(splits, [*splits[1:], m])):
         width = k ** (j + 1)  # nodes of depth j + 1 per tree
-        lv = torch.zeros(end - s, dtype=levels.dtype)  # an SDE step, then the ODE
-        lv[0] = levels[s]
-        seg_rows = (total // per * width, lo // per * width, hi // per * width)
-        children = nodes.repeat_interleave(k, 0)  # (P·width, …): each node's k children start from it
-        grid = plan.sigmas[s : end + 1]
-        parents = roots.repeat_interleave(width)  # (P·width,) each node's prompt
-        seg = rollout(model, cond, parents, children, grid, lv, step_fn, generator, rows=seg_rows, **opts)
-        segments.append(seg)
-        nodes, nfe = seg.states[:, -1], nfe + len(roots) * width * (end - s)
-    ro = _tree_paths(trunk, segments, per, k)
-    trained = torch.zeros(b, m, dtype=torch.bool)
-    trained[:, steps] = owned_edges(b, k, d)
+        children = last.repeat_interleave(k, 0)  # (P·width, …): each node's k children start from it
+        segments.append(paths(width, children, plan.sigmas[s : end + 1], levels[s:end]))
+        last, nfe = segments[-1].states[:, -1], nfe + len(roots) * width * (end - s)
+    ro = _tree_paths(trunk, segments, per)
 
-    def credit(adv: torch.Tensor) -> torch.Tensor:  # (B, M): the leaves' z-scores → edge values
-        out = adv.clone()
-        out[:, steps] = tree_advantages(adv[:, steps[-1]], ro.logp[:, steps], k, plan.tree_weighting)
-        return out
+    def credit(adv: torch.Tensor) -> torch.Tensor:  # (B, M): the leaves' z-scores → transition values
+        return edge_advantages(adv[:, splits[-1]], ro.logp, shape, plan.sde)
 
-    return Sampled(ro, group, group, trained, rows, nfe, 1, credit)
+    return Sampled(ro, group, group, owned_steps(b, shape, plan.sde), rows, nfe, 1, credit)
 
 
-def _tree_paths(trunk: torch.Tensor, segments: list[Rollout], per: int, k: int) -> Rollout:
-    """Each leaf's full trajectory: the trunk's states, then its ancestor's part of every segment (zero
-    log-density, std and mean on the trunk's ODE steps)."""
-    p = trunk.shape[0]
+def _tree_paths(trunk: Rollout, segments: list[Rollout], per: int) -> Rollout:
+    """Each leaf's full trajectory: its tree's trunk, then its ancestor's part of every segment."""
+    p = trunk.states.shape[0]
     leaf = torch.arange(p * per)
     tree, within = leaf // per, leaf % per
-    parts = [trunk[tree, :-1]]
-    ode = torch.zeros(len(leaf), trunk.shape[1] - 1)  # the trunk's steps: no log-density, no noise
-    logp, std, means = [ode], [ode], []
-    for j, seg in enumerate(segments):
+    parts = [trunk]
+    for seg in segments:
         width = seg.states.shape[0] // p
-        node = tree * width + within // (per // width)  # (B,) the leaf's ancestor in this segment
-        parts.append(seg.states[node, :-1] if j < len(segments) - 1 else seg.states[node])
-        logp.append(seg.logp[node])
-        std.append(seg.std[node])
-        means.append(None if seg.means is None else seg.means[node])
-    ro = Rollout(torch.cat(parts, 1), torch.cat(logp, 1), torch.cat(std, 1))
-    if all(x is not None for x in means):
-        zeros = torch.zeros(len(leaf), trunk.shape[1] - 1, *means[0].shape[2:])
-        ro.means = torch.cat([zeros, *means], 1)
+        parts.append(_rows(seg, tree * width + within // (per // width)))  # the leaf's ancestor at this depth
+    parts[0] = _rows(trunk, tree)
+    states = torch.cat([x.states[:, :-1] for x in parts] + [parts[-1].states[:, -1:]], 1)
+    ro = Rollout(states, torch.cat([x.logp for x in parts], 1), torch.cat([x.std for x in parts], 1))
+    if all(x.means is not None for x in parts):
+        ro.means = torch.cat([x.means for x in parts], 1)
     return ro
+
+
+def _rows(ro: Rollout, idx: torch.Tensor) -> Rollout:
+    return Rollout(
+        ro.states[idx], ro.logp[idx], ro.std[idx], None, None if ro.means is None else ro.means[idx]
+    )
 
 
 def branch_sample(

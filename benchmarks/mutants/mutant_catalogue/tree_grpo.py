@@ -1,5 +1,5 @@
-"""The mutants of the tree rollouts and TreeGRPO (issue 60): the edge values, the edges each leaf trains,
-and the children's starting states."""
+"""The mutants of the tree rollouts, TreeGRPO and BranchGRPO (issue 60): the edge values, the edges each
+leaf trains, the children's starting states and BranchGRPO's per-depth normalisation."""
 
 from __future__ import annotations
 
@@ -18,14 +18,20 @@ MUTANTS = [
     ),
     Mutant(
         "tree_every_leaf_trains_every_edge", "plan", TREE,
-        "return leaf.view(-1, 1) % below.view(1, -1) == 0",
-        "return leaf.view(-1, 1) % below.view(1, -1) >= 0",
+        "return (leaf.view(-1, 1) % below.view(1, -1) == 0) & sde.view(1, -1)",
+        "return (leaf.view(-1, 1) % below.view(1, -1) >= 0) & sde.view(1, -1)",
         TESTS, "a tree's shared edges are trained once per leaf below them, not once",
     ),
     Mutant(
         "tree_children_start_apart", "plan", PLANS,
-        "children = nodes.repeat_interleave(k, 0)",
-        "children = nodes.repeat(k, 1, 1, 1)",
+        "children = last.repeat_interleave(k, 0)",
+        "children = last.repeat(k, 1, 1, 1)",
         TESTS, "a tree's children start from other nodes' states: the prefixes are not shared",
+    ),
+    Mutant(
+        "branch_depth_normalisation_skipped", "credit", TREE,
+        'if shape.normalize == "depth":',
+        'if shape.normalize == "none":',
+        TESTS, "BranchGRPO's node values reach the loss without their per-depth z-score",
     ),
 ]  # fmt: skip
