@@ -132,6 +132,9 @@ class Config:
     """Update rule: a name of flowcredit.updates.UPDATES (clipped, ratio_norm, awm, nft)."""
     update_options: str = ""
     """JSON object of the update rule's own options, e.g. '{"time_draws": 4}'."""
+    train_guidance_scale: float = 0.0
+    """Guidance weight of a forward-process rule's velocities in the update (0: the sampling one; 1: the
+    conditional velocity alone, as DGPO's code)."""
     # --- DenseGRPO exploration-space calibration ---
     calibrate: bool = False
     """Calibrate per-step noise ψ before training (DenseGRPO; sampler must be 'dance_sde')."""

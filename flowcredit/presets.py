@@ -219,10 +219,17 @@ def dgpo() -> Config:
     against the reference (β_dpo = 100) at 4 times shared by the batch, drawn from steps 0–4 of 10,
     one noise per group, the matching loss clipped at 1e-2 against the old policy
     (η = min(0.001·step, 0.3)), a velocity KL β = 0.02, the group std, one optimizer step per iteration.
-    Deviations: Euler ODE steps where the code uses DPM-Solver++ with flow shift 3; the update's velocities
-    are the loop's, with the same CFG (the code trains the conditional velocity alone); no switch to
+    The update's velocities are the conditional ones (``train_guidance_scale`` 1), as the code trains.
+    Deviations: Euler ODE steps where the code uses DPM-Solver++ with flow shift 3; no switch to
     sampling with the old policy after 500 optimizer steps (the code's ``switch_ema_ref``)."""
-    return Config(sampler="ode", credit="flow_grpo", update="dgpo", steps_per_update=4, beta=0.02)
+    return Config(
+        sampler="ode",
+        credit="flow_grpo",
+        update="dgpo",
+        steps_per_update=4,
+        beta=0.02,
+        train_guidance_scale=1.0,
+    )
 
 
 def demo() -> Config:

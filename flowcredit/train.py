@@ -83,6 +83,7 @@ def grpo_iteration(s: Session, it: int) -> dict:
             stats = ppo_update(s, plan, levels, sam, adv, batch.prompts, keep, seeded(cfg.seed, it, 3))
     step_old_policy(s)
     train_rows, reused = stats.pop("train_rows", 0), stats.pop("uncond_reused", 0)
+    train_passes = stats.pop("train_passes", s.guidance_passes)  # network calls per trained row
     final = values[ok, -1]
     total = s.dist.sum_(torch.tensor([final.sum().item(), float(len(final))], dtype=torch.float64))
     passes = s.dist.world * s.guidance_passes  # network calls per row over all ranks
@@ -99,7 +100,7 @@ def grpo_iteration(s: Session, it: int) -> dict:
         "stats/bad_reward_groups": len(bad_groups),
         "nfe/rollout": passes * sam.nfe,
         "nfe/values": nfe_values * passes,
-        "nfe/train": (train_rows * s.guidance_passes * cfg.inner_epochs - reused) * s.dist.world,
+        "nfe/train": (train_rows * train_passes * cfg.inner_epochs - reused) * s.dist.world,
         **stats,
         **clock.seconds(reward=score.seconds),
     }

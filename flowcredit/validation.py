@@ -161,6 +161,12 @@ def _check_methods(cfg: Config) -> None:
     weight_options(cfg)
     update_options(cfg)
     rule, plain = UPDATES[cfg.update], cfg.step_schedule == "window"
+    _check(cfg.train_guidance_scale >= 0, "train_guidance_scale", "must be >= 0 (0: the sampling one)")
+    _check(
+        rule.forward or not cfg.train_guidance_scale,
+        "train_guidance_scale",
+        f"{cfg.update!r} trains at the rollout's own (guided) velocities: set it for a forward-process rule",
+    )
     if rule.forward:
         _check(
             cfg.credit == "flow_grpo",

@@ -4,6 +4,7 @@ the shared times, one noise per group, and the registry entry's capabilities."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -154,3 +155,52 @@ def test_group_and_group_noise_are_for_forward_rules():
     with pytest.raises(ValueError, match="group_noise"):
         register_update("x_grouped", lambda logp_new, logp_old, adv: adv.mean(), ("logp",), group_noise=True)
     assert "x_grouped" not in UPDATES
+
+
+SMALL = [
+    *("--iterations", "1", "--prompts_per_iter", "2", "--group_size", "4", "--num_train_prompts", "2"),
+    *("--num_eval_prompts", "1", "--eval_samples_per_prompt", "1", "--eval_every", "0", "--num_steps", "4"),
+    *("--batch_size", "8", "--log_with", "none", "--reward", "reward_fixtures:brightness"),
+]
+
+
+def test_update_velocities_at_train_guidance_scale(tmp_path, monkeypatch):
+    """``train_guidance_scale 1`` (the dgpo preset, as DGPO's code): every velocity of the update is the
+    conditional one, one pass per row, while the rollout keeps the model's CFG (2.0), restored after;
+    the logged ``nfe/train`` counts that one pass, as the skill bench's ``nominal_calls`` does."""
+    from flowcredit.commands.bench_skill import nfe_parts, nominal_calls
+    from flowcredit.models.tiny import TinyFlowModel
+    from flowcredit.presets import load_config
+    from flowcredit.train import train
+
+    seen = []  # (guidance, rows) of each velocity call
+    velocity = TinyFlowModel.velocity
+
+    def spy(self, x, sigma, cond):
+        seen.append((self.guidance_scale, x.shape[0]))
+        return velocity(self, x, sigma, cond)
+
+    monkeypatch.setattr(TinyFlowModel, "velocity", spy)
+    cfg = load_config("dgpo", None, [*SMALL, "--run_dir", str(tmp_path / "run")])
+    assert cfg.train_guidance_scale == 1.0
+    train(cfg)
+    at_one = [rows for w, rows in seen if w == 1.0]
+    assert {w for w, _ in seen} == {2.0, 1.0}
+    # K = 2 draws (steps 0–1 of 4) × 8 rows × θ, old policy, reference (β = 0.02)
+    assert sum(at_one) == 2 * 8 * 3
+    metrics = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = next(m for m in metrics if "nfe/train" in m)
+    assert logged["nfe/train"] == 2 * 8 * 3 == nfe_parts(cfg)["update"] * 8
+    parts = nfe_parts(cfg)
+    assert nominal_calls(cfg) == 2 * (parts["rollout"] + parts["values"]) + parts["update"]
+    assert logged["nfe/rollout"] == 2 * parts["rollout"] * 8  # CFG: 2 passes per row
+
+
+def test_train_guidance_scale_is_for_forward_rules():
+    from flowcredit.errors import ConfigError
+    from flowcredit.presets import load_config
+
+    with pytest.raises(ConfigError, match="train_guidance_scale"):
+        load_config("flow_grpo", None, ["--train_guidance_scale", "1"])
+    with pytest.raises(ConfigError, match="train_guidance_scale"):
+        load_config("dgpo", None, ["--train_guidance_scale", "-1"])

@@ -123,9 +123,12 @@ def rollout_calls(plan, group_size: int) -> float:
 
 
 def nominal_calls(cfg: Config) -> float:
-    """:func:`nominal_nfe` × network passes per velocity call on the built-in model (2 with CFG, 1 at
-    ``guidance_scale`` 1: no CFG), the skill bench's model."""
-    return nominal_nfe(cfg) * (1 if cfg.guidance_scale == 1.0 else 2)
+    """:func:`nominal_nfe`'s terms × network passes per velocity call on the built-in model (2 with CFG,
+    1 at guidance 1: no CFG), the skill bench's model; the update's at ``train_guidance_scale``."""
+    passes = 1 if cfg.guidance_scale == 1.0 else 2
+    train_passes = 1 if (cfg.train_guidance_scale or cfg.guidance_scale) == 1.0 else 2
+    parts = nfe_parts(cfg)
+    return (parts["rollout"] + parts["values"]) * passes + parts["update"] * train_passes
 
 
 def _equal_nfe(preset: Config, change: list[str], share: float = 1.0) -> list[str]:
@@ -181,7 +184,9 @@ FLASH += ["--sampler", "flash_sde", "--noise_level", "0.9"]  # Flash-GRPO's SDE 
 TREE = ["--step_schedule", "treegrpo", "--step_schedule_options", '{"skip_last": 5}', "--group_size", "27"]
 BRANCH = ["--step_schedule", "branchgrpo", "--step_schedule_options", '{"skip_last": 5}']
 BRANCH += ["--group_size", "16"]
-DGPO = ["--update", "dgpo", "--sampler", "ode", "--steps_per_update", "4"]  # ODE with CFG, as its code
+DGPO = [  # ODE rollouts with CFG and the update on the conditional velocity, as its code
+    *["--update", "dgpo", "--sampler", "ode", "--steps_per_update", "4", "--train_guidance_scale", "1"]
+]
 G2RPO = ["--step_schedule", "g2rpo"]  # branch steps 0–4 (the first half), widths 1 2, summed
 
 SKILL_ARMS = {

@@ -9,6 +9,8 @@ and implements the required ones; ``flowcredit.models.load_model`` checks every 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -174,6 +176,19 @@ class FlowModelBase:
                 "gradient checkpointing (the diffusers adapters have it)",
             )
         self.net.enable_gradient_checkpointing()
+
+
+@contextmanager
+def guidance_at(model: FlowModel, scale: float | None) -> Iterator[None]:
+    """``model.guidance_scale`` set to ``scale`` inside the block and restored after (``None`` or 0:
+    left as it is); ``model.guidance_passes`` inside counts its calls."""
+    saved = model.guidance_scale
+    if scale:
+        model.guidance_scale = float(scale)
+    try:
+        yield
+    finally:
+        model.guidance_scale = saved
 
 
 REQUIRED = ("latent_shape", "guidance_scale", "net", "encode", "velocity", "decode")

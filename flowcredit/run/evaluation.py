@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from flowcredit.models.protocol import FlowModel
+from flowcredit.models.protocol import FlowModel, guidance_at
 from flowcredit.rewards import tabulator, uses_shapeeval
 from flowcredit.run.grids import before_after, scored_grid
 from flowcredit.run.grids import frame_strip as frame_strip  # re-exported: its home was this module
@@ -52,10 +52,7 @@ def sample(
     shift = shift if shift is not None else model.shift
     sig = model.sigmas(num_steps, shift)  # (N + 1,)
     ode = SAMPLERS["ode"]
-    saved = model.guidance_scale
-    if guidance_scale is not None:
-        model.guidance_scale = float(guidance_scale)
-    try:
+    with guidance_at(model, guidance_scale):
         out = []
         for start in range(0, len(prompts), chunk):
             cond = model.encode(list(prompts[start : start + chunk]))
@@ -66,8 +63,6 @@ def sample(
             out.append(model.decode(x).cpu())
             if bar is not None:
                 bar.update(x.shape[0])
-    finally:
-        model.guidance_scale = saved
     return torch.cat(out)
 
 

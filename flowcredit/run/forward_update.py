@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from flowcredit.models.protocol import guidance_at
 from flowcredit.run.micro_batches import UpdateStats, micro_batches, param_spread
 from flowcredit.run.rollout import seeded
 from flowcredit.updates import noised, velocity_kl
@@ -29,8 +30,9 @@ def forward_update(s, ro, adv, prompts, group, keep, rows, iteration: int) -> di
     """The forward-process update over ``keep``'s rows; ``adv (b,)`` one advantage per row, ``rows``
     the ``(total, lo, hi)`` of this rank's rows.
 
-    Returns the statistics and ``train_rows`` (rows × network calls per row: θ, the old policy, and
-    the reference when β > 0; ×K draws)."""
+    Returns the statistics, ``train_rows`` (rows × velocities per row: θ, the old policy, and the
+    reference when β > 0; ×K draws) and ``train_passes`` (network calls per velocity). Every velocity of
+    the update is taken at ``cfg.train_guidance_scale`` (0: the sampling guidance)."""
     cfg, model, rule = s.cfg, s.model, s.update
     fn_opts, time_opts, _ = rule.split(s.update_opts)
     gen = seeded(cfg.seed, iteration, 3)
@@ -47,21 +49,24 @@ def forward_update(s, ro, adv, prompts, group, keep, rows, iteration: int) -> di
     if "group" in rule.needs:  # whole groups per micro-batch
         size = -(-size // cfg.group_size) * cfg.group_size
     stats = UpdateStats(("loss/policy", "loss/kl"))
-    for _ in range(cfg.inner_epochs):
-        order = torch.randperm(len(draws), generator=gen).tolist()
-        for start in range(0, len(order), cfg.steps_per_update):
-            window = order[start : start + cfg.steps_per_update]
-            cond = model.encode(prompts)  # under grad: the text encoder may train
-            for k, r, weight, sync in micro_batches(window, rows_at, size, counts, s.dist.world):
-                point = (clean[r], noise[k, r], times[k, r])
-                with s.dist.accumulating(sync):
-                    out = draw_loss(s, point, adv[r], cond, group[r], prompts, weight, fn_opts)
-                if weight:
-                    stats.add(out)
-            stats.optimizer_step(s)
+    with guidance_at(model, cfg.train_guidance_scale):
+        passes = model.guidance_passes
+        for _ in range(cfg.inner_epochs):
+            order = torch.randperm(len(draws), generator=gen).tolist()
+            for start in range(0, len(order), cfg.steps_per_update):
+                window = order[start : start + cfg.steps_per_update]
+                cond = model.encode(prompts)  # under grad: the text encoder may train
+                for k, r, weight, sync in micro_batches(window, rows_at, size, counts, s.dist.world):
+                    point = (clean[r], noise[k, r], times[k, r])
+                    with s.dist.accumulating(sync):
+                        out = draw_loss(s, point, adv[r], cond, group[r], prompts, weight, fn_opts)
+                    if weight:
+                        stats.add(out)
+                stats.optimizer_step(s)
     s.history["update_steps"] = s.history.get("update_steps", 0) + stats.updates
     out = stats.means()
     out["train_rows"] = len(keep) * len(draws) * rule.calls(cfg.beta)
+    out["train_passes"] = passes  # network calls per row at the update's guidance (train_guidance_scale)
     return out | param_spread(s)
 
 
