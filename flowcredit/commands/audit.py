@@ -82,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     from flowcredit.presets import load_config
     from flowcredit.run.audit import audit_group, audit_rules, mc_needed, summarise
     from flowcredit.run.policy import apply_trained
+    from flowcredit.run.psi_file import read_psi
     from flowcredit.run.rollout import noise_levels
     from flowcredit.run.runlog import provenance
-    from flowcredit.run.session import build_reward, configure_network, read_psi
+    from flowcredit.run.session import build_reward, configure_network
     from flowcredit.tasks.prompt_sets import load_prompt_set
 
     args, rest = _parser().parse_with_overrides(argv)

@@ -27,12 +27,12 @@ import torch
 
 from flowcredit.models.diffusers_common import (
     DiffusersFlowModel,
-    decode_wan_latents,
     image_size,
     pretrained_options,
     scheduler_sigmas,
 )
 from flowcredit.models.flux import pack, unpack
+from flowcredit.models.vae_decode import decode_wan_latents
 
 
 @dataclass

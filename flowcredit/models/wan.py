@@ -28,11 +28,11 @@ from flowcredit.errors import ConfigError
 from flowcredit.models.diffusers_common import (
     DiffusersFlowModel,
     PromptCond,
-    decode_wan_latents,
     image_size,
     pretrained_options,
     scheduler_sigmas,
 )
+from flowcredit.models.vae_decode import decode_wan_latents
 
 DEFAULT_SIZE = (480, 832)  # the pipeline's default height × width (Wan2.1 480p)
 DEFAULT_FRAMES = 81  # the pipeline's default clip length

@@ -20,8 +20,9 @@ from flowcredit.calibration import calibrate, sign_counts
 from flowcredit.errors import UserError
 from flowcredit.rewards.guard import ScoreFn
 from flowcredit.run.progress import progress_bar
+from flowcredit.run.psi_file import write_psi
 from flowcredit.run.rollout import draw_batch, noise_levels, rollout, seeded, state_values
-from flowcredit.run.session import Session, write_psi
+from flowcredit.run.session import Session
 from flowcredit.sde import SAMPLERS, flow_sde_g
 
 CALIBRATION_ITERATIONS = 10_000

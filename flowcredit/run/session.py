@@ -29,6 +29,7 @@ from flowcredit.run.distributed import Dist
 from flowcredit.run.guard import Guard, monitor_names
 from flowcredit.run.lora_compose import compose_lora, lora_forwards, sampling_copies
 from flowcredit.run.policy import EMA, Policy
+from flowcredit.run.psi_file import read_psi, write_psi
 from flowcredit.run.rollout import Batch, draw_batch, noise_levels
 from flowcredit.run.sharding import full_dict, full_optimizer_state, shard_like, shard_optimizer_state
 from flowcredit.sde import SAMPLERS, StepFn
@@ -379,22 +380,3 @@ def set_cfg_uncond_grad(on: bool, model: FlowModel) -> None:
             f"the {type(model).__name__} adapter cannot detach its unconditional branch "
             "(subclass flowcredit.models.FlowModelBase and pass it through uncond_branch)",
         )
-
-
-def read_psi(path: str, num_steps: int) -> torch.Tensor:
-    """ψ ``(N,)`` from a ``psi.json`` written by ``flowcredit calibrate`` (or by a run)."""
-    try:
-        psi = json.loads(Path(path).read_text())["psi"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"config field 'psi_path': cannot read ψ from {path!r} ({exc})") from None
-    if not isinstance(psi, list) or len(psi) != num_steps:
-        raise UserError(
-            f"config field 'psi_path': {path!r} must hold 'psi', a list of num_steps = {num_steps} values"
-        )
-    return torch.tensor(psi, dtype=torch.float32)
-
-
-def write_psi(s: Session) -> None:
-    """``run_dir/psi.json`` (rank 0): the ψ this run trains with, reusable as ``psi_path``."""
-    if s.dist.is_main:
-        (s.run_dir / "psi.json").write_text(json.dumps({"psi": s.psi.tolist()}) + "\n")

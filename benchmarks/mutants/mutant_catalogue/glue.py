@@ -272,7 +272,7 @@ MUTANTS = [
         ("tests/test_bench_skill.py",), "the skill report's paired difference has its sign flipped",
     ),
     Mutant(
-        "skill_nfe_no_kl", "bench", "flowcredit/commands/bench_skill.py",
+        "skill_nfe_no_kl", "bench", "flowcredit/commands/bench_skill_arms.py",
         "update = trained * cfg.inner_epochs * (2 if cfg.beta else 1)",
         "update = trained * cfg.inner_epochs",
         ("tests/test_bench_skill.py",), "equal-NFE iterations forget the KL's reference forward",
