@@ -269,3 +269,56 @@ def test_audit_of_a_published_runs_tensors_is_the_audit_of_its_own_snapshot(tmp_
         assert main([*common, "--checkpoint", str(weights), "--out", str(tmp_path / name)]) == 0
     own, pub = (load_file(tmp_path / n / "groups/0000.safetensors") for n in ("own", "pub"))
     assert torch.equal(own["completions"], pub["completions"])
+
+
+def test_an_audit_gains_a_rule_without_its_completions_recomputed(tmp_path, monkeypatch):
+    """An audit stored with fewer rules, asked again with one more: the stored completions are kept
+    (no Monte-Carlo call runs), the new rule's credit and gradient cosine equal those of an audit run
+    with every rule from the start; a stored audit whose trajectories are not the ones drawn again is
+    refused."""
+    import json
+
+    from loop_probes import small_model
+
+    from flowcredit.commands.audit import main
+    from flowcredit.run import audit as audit_mod
+
+    argv = ["--checkpoint", small_model(tmp_path / "m"), "--num_steps", "6", "--group_size", "4"]
+    argv += [
+        "--reward",
+        "reward_fixtures:brightness",
+        "--max-prompts",
+        "2",
+        "--m",
+        "4",
+        "--grad-prompts",
+        "1",
+    ]
+    assert main([*argv, "--rules", "flow_grpo,dense_euler1,coca", "--out", str(tmp_path / "all")]) == 0
+    assert main([*argv, "--rules", "flow_grpo,dense_euler1", "--out", str(tmp_path / "part")]) == 0
+    before = json.loads((tmp_path / "part" / "audit.json").read_text())
+    monkeypatch.setattr(audit_mod, "mc_completions", lambda *a, **k: pytest.fail("completions recomputed"))
+    assert main([*argv, "--rules", "flow_grpo,dense_euler1,coca", "--out", str(tmp_path / "part")]) == 0
+    full, grown = (json.loads((tmp_path / d / "audit.json").read_text()) for d in ("all", "part"))
+    assert grown["rules"]["coca"] == full["rules"]["coca"] and grown["rules"] == full["rules"]
+    assert grown["gradient_cosine"]["coca"]["mean"] == pytest.approx(
+        full["gradient_cosine"]["coca"]["mean"], abs=1e-9
+    )
+    assert grown["settings"]["rules"] == full["settings"]["rules"]
+    # the audit's own minutes and provenance kept, this run's beside them
+    assert grown["minutes"] == before["minutes"] and grown["provenance"] == before["provenance"]
+    assert [step["rules"] for step in grown["rules_added"]] == [["coca"]]
+    # stored trajectories that are not the ones drawn again: refused, naming the rule
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "part" / "groups" / "0000.safetensors"
+    t = load_file(str(path))
+    t["credit.flow_grpo"] = t["credit.flow_grpo"] + 0.01
+    del t["credit.coca"]
+    save_file(t, str(path))
+    meta_path = path.with_suffix(".json")
+    meta = json.loads(meta_path.read_text())
+    meta["nfe"].pop("coca")
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="'flow_grpo' recomputed differs"):
+        main([*argv, "--rules", "flow_grpo,dense_euler1,coca", "--out", str(tmp_path / "part")])

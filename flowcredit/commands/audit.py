@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from flowcredit.commands.eval import _tensors_only
     from flowcredit.models import load_model
     from flowcredit.presets import load_config
-    from flowcredit.run.audit import audit_group, audit_rules, mc_needed, summarise
+    from flowcredit.run.audit import add_rules, audit_group, audit_rules, mc_needed, summarise
     from flowcredit.run.policy import apply_trained
     from flowcredit.run.psi_file import read_psi
     from flowcredit.run.rollout import noise_levels
@@ -121,10 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     for k, meta in enumerate(tqdm(metas, desc="audit", unit="prompt", dynamic_ncols=True)):
         grads = k < args.grad_prompts
         compute = partial(audit_group, model, cfg, reward, [meta], rules, m, psi, args.seed, k, grads)
-        audits.append(_group(out, k, settings, compute, grads))
+        add = partial(
+            add_rules, model, cfg, reward, [meta], rules, psi=psi, seed=args.seed, index=k, grads=grads
+        )
+        audits.append(_group(out, k, settings, compute, grads, add))
     report = {"settings": settings, **summarise(audits, [meta.get("category", "") for meta in metas])}
     report["minutes"] = (time.time() - t0) / 60
     report["provenance"] = provenance(0, args.threads, cfg.device)
+    report = _keep_history(out / "audit.json", report)
     (out / "audit.json").write_text(json.dumps(report, indent=1) + "\n")
     plot_audit(report, out / "audit.png")
     print(format_report(report))
@@ -132,32 +136,70 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _group(out: Path, k: int, settings: dict, compute, grads: bool):
+def _group(out: Path, k: int, settings: dict, compute, grads: bool, add=None):
     """Prompt ``k``'s audit, read from ``out/groups/`` when an audit of the same settings stored it
-    (with its gradient cosines, if ``grads`` asks for them; else computed again)."""
-    from safetensors.torch import load_file, save_file
+    (with its gradient cosines, if ``grads`` asks for them; else computed again). A stored audit of
+    fewer rules (the others' settings the same) gains the missing ones through ``add(stored)``
+    (:func:`flowcredit.run.audit.add_rules`: its completions reused), stored again."""
+    from safetensors.torch import load_file
 
     from flowcredit.run.audit import GroupAudit
 
     path, meta_path = out / "groups" / f"{k:04d}.safetensors", out / "groups" / f"{k:04d}.json"
-    same = {key: v for key, v in json.loads(json.dumps(settings)).items() if key != "grad_prompts"}
     if path.is_file() and meta_path.is_file():
         meta = json.loads(meta_path.read_text())
-        if {key: v for key, v in meta["settings"].items() if key != "grad_prompts"} != same:
+        if not _extends(meta["settings"], json.loads(json.dumps(settings))):
             raise UserError(f"{out}: holds an audit of other settings; choose another --out")
         if meta.get("cosine") or not grads:
             t = load_file(str(path))
             credit = {name: t[f"credit.{name}"] for name in meta["nfe"]}
             cosine = meta.get("cosine", {})
-            return GroupAudit(t["completions"], credit, meta["nfe"], meta["mc_nfe"], t["trained"], cosine)
+            a = GroupAudit(t["completions"], credit, meta["nfe"], meta["mc_nfe"], t["trained"], cosine)
+            if set(credit) == set(settings["rules"]):
+                return a
+            a = add(a)
+            _store(path, meta_path, settings, a)
+            return a
     a = compute()
+    _store(path, meta_path, settings, a)
+    return a
+
+
+def _keep_history(path: Path, report: dict) -> dict:
+    """``report``, or, where it only adds rules to the audit at ``path``, that audit's minutes and
+    provenance with this run's under ``rules_added`` (the rules, its minutes and provenance)."""
+    if not path.is_file():
+        return report
+    previous = json.loads(path.read_text())
+    added = sorted(set(report["settings"]["rules"]) - set(previous["settings"]["rules"]))
+    if not added or not _extends(previous["settings"], json.loads(json.dumps(report["settings"]))):
+        return report
+    step = {"rules": added, "minutes": report["minutes"], "provenance": report["provenance"]}
+    history = [*previous.get("rules_added", []), step]
+    return report | {k: previous[k] for k in ("minutes", "provenance")} | {"rules_added": history}
+
+
+def _extends(stored: dict, settings: dict) -> bool:
+    """``settings`` asks for the stored audit, or for it with more rules (grad_prompts aside)."""
+    rest = ("grad_prompts", "rules")
+    if {k: v for k, v in stored.items() if k not in rest} != {
+        k: v for k, v in settings.items() if k not in rest
+    }:
+        return False
+    return all(settings["rules"].get(name) == overrides for name, overrides in stored["rules"].items())
+
+
+def _store(path: Path, meta_path: Path, settings: dict, a) -> None:
+    """One group's audit: tensors (safetensors) and its JSON, each written whole (a temporary, renamed)."""
+    from safetensors.torch import save_file
+
     tensors = {"completions": a.completions, "trained": a.trained}
     tensors |= {f"credit.{name}": c.contiguous() for name, c in a.credit.items()}
     save_file(tensors, str(path.with_suffix(".tmp")))
     path.with_suffix(".tmp").replace(path)
     meta = {"settings": settings, "nfe": a.nfe, "mc_nfe": a.mc_nfe, "cosine": a.cosine}
-    meta_path.write_text(json.dumps(meta) + "\n")
-    return a
+    meta_path.with_suffix(".tmp").write_text(json.dumps(meta) + "\n")
+    meta_path.with_suffix(".tmp").replace(meta_path)
 
 
 def format_report(report: dict) -> str:

@@ -110,11 +110,25 @@ def mc_completions(model, cond, group, states, sigmas, levels, step_fn, score, m
     return out, calls
 
 
-def audit_group(
-    model, cfg: Config, reward, metas: list[dict], rules, m, psi=None, seed=0, index=0, grads=False
-):
-    """Audit one group of ``cfg.group_size`` trajectories of each prompt of ``metas`` (usually one);
-    ``grads``: also the policy-gradient cosines (:func:`gradient_cosines`)."""
+@dataclasses.dataclass
+class AuditRollout:
+    """One group's trajectories, drawn from the generators the audit owns (:func:`audit_rollout`), and
+    what scoring and completing them needs; ``g_mc`` is the completions' generator, untouched."""
+
+    cond: object
+    group: torch.Tensor
+    ro: object
+    sigmas: torch.Tensor
+    levels: torch.Tensor
+    trained: torch.Tensor
+    step_fn: object
+    score: ScoreFn
+    g_mc: torch.Generator
+
+
+def audit_rollout(model, cfg: Config, reward, metas: list[dict], psi=None, seed=0, index=0) -> AuditRollout:
+    """The ``cfg.group_size`` trajectories of each prompt of ``metas`` that group ``index`` of an audit
+    with ``seed`` draws (the same on every call: the audit owns its generators)."""
     g_init, g_sde, g_mc = (torch.Generator().manual_seed(seed * 1_000_003 + index * 7 + k) for k in range(3))
     sig = schedule(cfg.num_steps, cfg.shift)
     levels, trained = noise_levels(cfg, psi)
@@ -128,31 +142,93 @@ def audit_group(
             model, cond, group, x0, sig, levels, step_fn, g_sde, cfg.logp_mode, bs, keep_velocity=True
         )
     score = ScoreFn(reward, cfg.reward, prompts, metas, group, False)
-    m_states = torch.as_tensor(m).expand(cfg.num_steps + 1) if torch.as_tensor(m).dim() == 0 else m
-    completions, calls = mc_completions(
-        model, cond, group, ro.states, sig, levels, step_fn, score, m_states, g_mc, bs
-    )
+    return AuditRollout(cond, group, ro, sig, levels, trained, step_fn, score, g_mc)
+
+
+def rule_credits(model, cfg: Config, rules, r: AuditRollout) -> tuple[dict, dict]:
+    """Each rule's credit ``{name: (B, N)}`` on the trajectories of ``r`` with its own values, and its
+    value calls per trajectory ``{name: float}``; rules that need the same values share them."""
     credit, nfe, cache = {}, {}, {}
     for name, overrides in rules.items():
         rule_cfg = apply_overrides(dataclasses.replace(cfg, credit_options=""), overrides)
         entry = CREDITS[rule_cfg.credit]
         key = (entry.needs, rule_cfg.estimator, rule_cfg.substeps)
         if key not in cache:
-            cache[key] = state_values(model, cond, group, ro, sig, *key[:1], trained, *key[1:], score, bs)
+            cache[key] = state_values(
+                model, r.cond, r.group, r.ro, r.sigmas, key[0], r.trained, *key[1:], r.score, cfg.batch_size
+            )
         values, value_calls = cache[key]
         kwargs = {"eps": rule_cfg.adv_eps, "adv_clip": rule_cfg.adv_clip, **credit_options(rule_cfg)}
-        credit[name] = entry.fn(values.float(), group, trained, **kwargs)
-        nfe[name] = value_calls / len(group)
-    audit = GroupAudit(completions, credit, nfe, calls / len(group), trained)
-    if grads:
-        from flowcredit.credit_audit import mc_delta, split_halves
+        credit[name] = entry.fn(values.float(), r.group, r.trained, **kwargs)
+        nfe[name] = value_calls / len(r.group)
+    return credit, nfe
 
-        step = (cond, group, ro.states, sig, levels, step_fn)
-        halves = tuple(d.float() for d in split_halves(completions))
-        audit.cosine = gradient_cosines(
-            model, cfg, step, credit, mc_delta(completions).float(), trained, halves
-        )
+
+def audit_group(
+    model, cfg: Config, reward, metas: list[dict], rules, m, psi=None, seed=0, index=0, grads=False
+):
+    """Audit one group of ``cfg.group_size`` trajectories of each prompt of ``metas`` (usually one);
+    ``grads``: also the policy-gradient cosines (:func:`gradient_cosines`)."""
+    r = audit_rollout(model, cfg, reward, metas, psi, seed, index)
+    m_states = torch.as_tensor(m).expand(cfg.num_steps + 1) if torch.as_tensor(m).dim() == 0 else m
+    completions, calls = mc_completions(
+        model,
+        r.cond,
+        r.group,
+        r.ro.states,
+        r.sigmas,
+        r.levels,
+        r.step_fn,
+        r.score,
+        m_states,
+        r.g_mc,
+        cfg.batch_size,
+    )
+    credit, nfe = rule_credits(model, cfg, rules, r)
+    audit = GroupAudit(completions, credit, nfe, calls / len(r.group), r.trained)
+    if grads:
+        audit.cosine = _cosines(model, cfg, r, credit, completions)
     return audit
+
+
+def add_rules(
+    model, cfg: Config, reward, metas, rules, stored: GroupAudit, psi=None, seed=0, index=0, grads=False
+):
+    """``stored`` (an audit of group ``index``) with the credit of ``rules`` it lacks, on the same
+    trajectories and against its Monte-Carlo completions (not recomputed: the audit's cost).
+
+    The trajectories are drawn again (:func:`audit_rollout`); that they are the stored ones is checked:
+    every stored rule that costs no value calls is recomputed and must agree within 1e-4. Gradient
+    cosines (``grads``) are computed for the added rules only (the stored ones and the noise halves'
+    are kept)."""
+    new = {name: o for name, o in rules.items() if name not in stored.credit}
+    if not new:
+        return stored
+    r = audit_rollout(model, cfg, reward, metas, psi, seed, index)
+    free = {name: rules[name] for name, calls in stored.nfe.items() if calls == 0 and name in rules}
+    again, _ = rule_credits(model, cfg, free, r)
+    for name, credit in again.items():
+        gap = (credit - stored.credit[name]).abs().max().item()
+        if gap > 1e-4:
+            raise ValueError(
+                f"group {index}: rule {name!r} recomputed differs from the stored audit's by {gap:.2g}: "
+                "not the stored trajectories (another seed, settings or model?)"
+            )
+    credit, nfe = rule_credits(model, cfg, new, r)
+    cosine = dict(stored.cosine)
+    if grads and stored.cosine:
+        cosine |= {k: v for k, v in _cosines(model, cfg, r, credit, stored.completions).items() if k in new}
+    return GroupAudit(
+        stored.completions, stored.credit | credit, stored.nfe | nfe, stored.mc_nfe, stored.trained, cosine
+    )
+
+
+def _cosines(model, cfg: Config, r: AuditRollout, credit: dict, completions) -> dict[str, float]:
+    from flowcredit.credit_audit import mc_delta, split_halves
+
+    step = (r.cond, r.group, r.ro.states, r.sigmas, r.levels, r.step_fn)
+    halves = tuple(d.float() for d in split_halves(completions))
+    return gradient_cosines(model, cfg, step, credit, mc_delta(completions).float(), r.trained, halves)
 
 
 def gradient_cosines(
