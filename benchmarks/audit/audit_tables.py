@@ -21,6 +21,7 @@ LABELS = {
     "turning_point": "TP-GRPO (`turning_point`)",
     "stepwise": "Stepwise-Flow-GRPO (`stepwise`)",
     "dense_euler1": "DenseGRPO, one-step values (`dense_euler1`)",
+    "coca": "CoCA (`coca`)",
 }
 """The README's names of the audited rules (a rule not listed is shown by its registry name)."""
 
