@@ -110,8 +110,9 @@ def branch_grpo() -> Config:
     ``fastvideo/train_branchgrpo_flux.py``): one noise per prompt (``--init_same_noise``), Flow-GRPO's SDE
     at η = 0.3 on every step but the last (``--ignore_last``), binary splits at 0, 1, 3, 4 (theirs 0, 3, 6,
     9 of 20 steps; 16 leaves = ``--num_generations 16``), node values the mean over their leaves, z-scored
-    per depth (:mod:`flowcredit.tree_plans`). Not taken: the split noise scale 4, pruning,
-    ``timestep_fraction`` 0.6 (every transition trains here), lr 1e-5."""
+    per depth (:mod:`flowcredit.tree_plans`), the splits' noise × 4 (``TREE_SPLIT_NOISE_SCALE``, the
+    schedule's ``split_noise``). Not taken: pruning, ``timestep_fraction`` 0.6 (every transition trains
+    here), lr 1e-5."""
     return Config(
         sampler="flow_sde",
         noise_level=0.3,

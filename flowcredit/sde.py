@@ -247,6 +247,27 @@ class Sampler:
     level_name: str = "level"
 
 
+def scaled_noise(step_fn: StepFn, scale: float) -> StepFn:
+    """``step_fn`` drawing ``x_next = mean + std·(scale·ε)`` and scoring the draw under its own
+    ``N(mean, std²)``: a wider exploration at the same policy density. BranchGRPO's split noise
+    (Fredreic1849/BranchGRPO@19fbb9f, ``fastvideo/train_branchgrpo_flux.py`` L263-279: ``noise = randn ·
+    split_noise_scale``, the log-density with the step's unscaled ``std_dev_t``). A re-scored transition
+    (``x_next`` given) is the step's own; ``scale`` 1 is ``step_fn``."""
+    if scale == 1.0:
+        return step_fn
+
+    def step(
+        v, x, sigma, sigma_next, level=0.0, *, noise=None, generator=None, x_next=None, logp_mode="gaussian"
+    ):
+        if x_next is None:
+            if noise is None:
+                noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=x.device)
+            noise = noise.float() * scale
+        return step_fn(v, x, sigma, sigma_next, level, noise=noise, x_next=x_next, logp_mode=logp_mode)
+
+    return step
+
+
 SAMPLER_ENTRIES: dict[str, Sampler] = {}
 """Every sampler by name (the ``sampler`` config field), with its constraints."""
 

@@ -24,12 +24,15 @@ class TreeShape:
             log-density of the split's transitions; ``"uniform"``).
         normalize: ``"none"``: edge values as they come (TreeGRPO); ``"depth"``: z-scored among the nodes
             of one depth of one tree (BranchGRPO).
+        split_noise: the splits' noise multiplier: a child is drawn with the step's noise × it and scored
+            under the step's own density (:func:`flowcredit.sde.scaled_noise`; BranchGRPO's 4, 1: none).
     """
 
     fanout: int
     splits: tuple[int, ...]
     weighting: str = "prob"
     normalize: str = "none"
+    split_noise: float = 1.0
 
     @property
     def leaves(self) -> int:

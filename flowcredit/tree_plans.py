@@ -123,12 +123,14 @@ def tree_plan(
 ) -> StepPlan:
     """The tree plan on the grid ``sigmas`` splitting at ``splits`` (increasing) into ``fanout`` children;
     ``shape``: ``sde_steps`` (more SDE steps, each a single transition between splits; default none: the
-    ODE between splits) and ``normalize`` (:class:`~flowcredit.step_plan.TreeShape`)."""
+    ODE between splits), ``normalize`` and ``split_noise`` (:class:`~flowcredit.step_plan.TreeShape`)."""
     n = sigmas.numel() - 1
     sde = torch.zeros(n, dtype=torch.bool)
     sde[list(splits)] = True
     sde[list(shape.get("sde_steps", ()))] = True
-    tree = TreeShape(fanout, tuple(splits), weighting, shape.get("normalize", "none"))
+    tree = TreeShape(
+        fanout, tuple(splits), weighting, shape.get("normalize", "none"), shape.get("split_noise", 1.0)
+    )
     return StepPlan(sigmas, sde, sde.clone(), torch.arange(n + 1), tree=tree)
 
 
@@ -173,13 +175,17 @@ and rounded down."""
 
 def branchgrpo(
     sigmas, *, level, iteration, total, generator, splits=None, fanout=2, skip_last=1,
-    weighting="uniform", normalize="depth",
+    weighting="uniform", normalize="depth", split_noise=4.0,
 ):  # fmt: skip
     """BranchGRPO's tree (module docstring): binary splits at ``splits``, the SDE on every step but the last
     ``skip_last`` (each a transition of its own between splits), node values the mean over their leaves
-    (``weighting="uniform"``; ``"prob"``: the authors' ``--tree_prob_weighted``), z-scored per depth."""
+    (``weighting="uniform"``; ``"prob"``: the authors' ``--tree_prob_weighted``), z-scored per depth; the
+    splits' noise × ``split_noise`` (4: their script's ``TREE_SPLIT_NOISE_SCALE``)."""
     n, splits = sigmas.numel() - 1, list(BRANCHGRPO_SPLITS if splits is None else splits)
-    return tree_plan(sigmas, splits, fanout, weighting, sde_steps=range(n - skip_last), normalize=normalize)
+    return tree_plan(
+        sigmas, splits, fanout, weighting, sde_steps=range(n - skip_last), normalize=normalize,
+        split_noise=split_noise,
+    )  # fmt: skip
 
 
 def check_branchgrpo(o: dict) -> None:
@@ -192,3 +198,7 @@ def check_branchgrpo(o: dict) -> None:
         )
     if o["weighting"] not in TREE_WEIGHTINGS or o["normalize"] not in ("none", "depth") or o["skip_last"] < 0:
         raise ValueError(f"step schedule 'branchgrpo': weighting in {TREE_WEIGHTINGS}, normalize none/depth")
+    if not o["split_noise"] > 0:
+        raise ValueError(
+            f"step schedule 'branchgrpo': option 'split_noise' must be > 0, got {o['split_noise']}"
+        )

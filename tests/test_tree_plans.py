@@ -218,3 +218,57 @@ def test_branchgrpo_iteration_shares_each_nodes_path(tmp_path, monkeypatch):
     owned = [[yes, yes, yes, yes, no], [no, no, yes, yes, no]] * 2  # depth-1 transitions: leaves 0, 2
     assert trained[:4].tolist() == owned
     assert metrics["nfe/rollout"] == s.guidance_passes * 2 * (2 * 2 + 4 * 3)  # 2 trees: 2 nodes × 2, 4 × 3
+
+
+def test_scaled_noise_draws_wider_and_scores_under_the_steps_own_density():
+    """BranchGRPO's split noise: ``x' = mean + std·(4ε)``, its log-density under ``N(mean, std²)`` (a
+    ``torch.distributions`` Normal, mean over dimensions); a given ``x_next`` is re-scored as the step
+    does; scale 1 is the step itself."""
+    from flowcredit.sde import SAMPLERS, scaled_noise
+
+    step = SAMPLERS["flow_sde"]
+    v, x, eps = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    plain = step(v, x, 0.8, 0.6, 0.3, noise=eps)
+    wide = scaled_noise(step, 4.0)(v, x, 0.8, 0.6, 0.3, noise=eps)
+    std = plain.std.view(2, 1, 1, 1)
+    assert torch.allclose(wide.x_next, plain.mean + 4.0 * std * eps, atol=1e-6)
+    density = torch.distributions.Normal(plain.mean, std.expand_as(plain.mean))
+    assert torch.allclose(wide.logp, density.log_prob(wide.x_next).mean(dim=(1, 2, 3)), atol=1e-5)
+    again = scaled_noise(step, 4.0)(v, x, 0.8, 0.6, 0.3, x_next=wide.x_next)
+    assert torch.equal(again.logp, step(v, x, 0.8, 0.6, 0.3, x_next=wide.x_next).logp)
+    assert scaled_noise(step, 1.0) is step
+
+
+class _HalfVelocity:
+    """A stand-in network with ``v = x / 2``: the sampler's mean at any state is known."""
+
+    def velocity(self, x, sigma, cond):
+        return 0.5 * x
+
+
+@pytest.mark.parametrize("split_noise", [1.0, 4.0])
+def test_a_tree_widens_its_splits_only(split_noise):
+    """A BranchGRPO tree (splits 0 and 2 of 5 SDE steps): at a split the draw's noise ``(x' − mean)/std``
+    has RMS ≈ ``split_noise`` and its stored log-density is the step's own; between splits RMS ≈ 1. At
+    ``split_noise`` 1 the rollout is the one of a single segment per split (the draws are the same)."""
+    from flowcredit.run.plans import tree_sample
+    from flowcredit.sde import SAMPLERS
+    from flowcredit.tree_plans import branchgrpo
+
+    sig = torch.linspace(1, 0, 6)
+    opts = dict(level=0.3, iteration=0, total=1, generator=None, splits=[0, 2], skip_last=1)
+    plan = branchgrpo(sig, **opts, split_noise=split_noise)
+    step, levels = SAMPLERS["flow_sde"], torch.full((5,), 0.3)
+    levels[4] = 0.0
+    x0 = torch.randn(1, 3, 16, 16).repeat(4, 1, 1, 1)
+    group, cond = torch.zeros(4, dtype=torch.long), torch.zeros(1)
+    gen = torch.Generator().manual_seed(0)
+    out = tree_sample(_HalfVelocity(), cond, group, x0, plan, levels, step, gen, (4, 0, 4))
+    states, logp = out.ro.states, out.ro.logp  # (4, 6, …), (4, 5)
+    for i in range(4):  # the SDE steps
+        x, x_next = states[:, i], states[:, i + 1]
+        again = step(0.5 * x, x, sig[i].item(), sig[i + 1].item(), 0.3, x_next=x_next)
+        rms = ((x_next - again.mean) / again.std.view(-1, 1, 1, 1)).pow(2).mean().sqrt().item()
+        want = split_noise if i in (0, 2) else 1.0
+        assert rms == pytest.approx(want, rel=0.1), (i, rms)
+        assert torch.allclose(logp[:, i], again.logp, atol=1e-5)

@@ -149,7 +149,9 @@ COCA = ["--credit", "coca"]
 FLASH = ["--step_schedule", "flash", "--step_weight", "flash"]
 FLASH += ["--sampler", "flash_sde", "--noise_level", "0.9"]  # Flash-GRPO's SDE at σ_1 of the 10-step grid
 TREE = ["--step_schedule", "treegrpo", "--step_schedule_options", '{"skip_last": 5}', "--group_size", "27"]
-BRANCH = ["--step_schedule", "branchgrpo", "--step_schedule_options", '{"skip_last": 5}']
+BRANCH = [  # the splits' noise as the steps' own: 4 × CPS's noise would break its coefficient preservation
+    *["--step_schedule", "branchgrpo", "--step_schedule_options", '{"skip_last": 5, "split_noise": 1}']
+]
 BRANCH += ["--group_size", "16"]
 DGPO = [  # ODE rollouts with CFG and the update on the conditional velocity, as its code
     *["--update", "dgpo", "--sampler", "ode", "--steps_per_update", "4", "--train_guidance_scale", "1"]

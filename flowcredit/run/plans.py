@@ -19,7 +19,7 @@ from flowcredit.config import Config
 from flowcredit.errors import ConfigError
 from flowcredit.run.rollout import Rollout, rollout, seeded
 from flowcredit.run.sampled import Sampled
-from flowcredit.sde import SAMPLER_ENTRIES
+from flowcredit.sde import SAMPLER_ENTRIES, scaled_noise
 from flowcredit.step_schedules import StepPlan, make_plan, plan_levels
 from flowcredit.validation import schedule_options
 
@@ -100,9 +100,10 @@ def sample(model, cond, group, x0, plan: StepPlan, levels, step_fn, generator, r
 def tree_sample(model, cond, group, x0, plan: StepPlan, levels, step_fn, generator, rows, **opts) -> Sampled:
     """A tree plan's rollout (:mod:`flowcredit.tree_plans`): one path per group to the first split
     ``t_0``, then at each split ``t_j`` every node's ``k`` children, each following its own path to
-    ``t_{j+1}`` (SDE on the plan's SDE steps); the ``B`` rows are the leaves, each with its path's states,
-    and each transition trained on the first leaf below it. Noise: each path's rows are rows of a
-    batch of ``P·k^j`` (``rows`` scaled), so a split over processes draws what one process draws."""
+    ``t_{j+1}`` (SDE on the plan's SDE steps; a split's draw with its noise × ``split_noise``); the ``B``
+    rows are the leaves, each with its path's states, and each transition trained on the first leaf
+    below it. Noise: each path's rows are rows of a batch of ``P·k^j`` (``rows`` scaled), so a split over
+    processes draws what one process draws."""
     from flowcredit.tree_plans import edge_advantages, owned_steps
 
     opts = {key: v for key, v in opts.items() if key not in ("keep_uncond", "keep_velocity")}
@@ -113,10 +114,10 @@ def tree_sample(model, cond, group, x0, plan: StepPlan, levels, step_fn, generat
     total, lo, hi = rows
     roots = group[::per]  # (P,) each tree's prompt
 
-    def paths(width, starts, sigmas, lv):  # the P·width nodes of one depth, each along its own path
+    def paths(width, starts, sigmas, lv, step=step_fn):  # the P·width nodes of one depth, each its own path
         scaled = (total // per * width, lo // per * width, hi // per * width)
         nodes = roots.repeat_interleave(width)  # (P·width,) each node's prompt
-        return rollout(model, cond, nodes, starts, sigmas, lv, step_fn, generator, rows=scaled, **opts)
+        return rollout(model, cond, nodes, starts, sigmas, lv, step, generator, rows=scaled, **opts)
 
     if splits[0]:
         trunk = paths(1, x0[::per], plan.sigmas[: splits[0] + 1], levels[: splits[0]])  # (P, t_0 + 1, …)
@@ -124,10 +125,15 @@ def tree_sample(model, cond, group, x0, plan: StepPlan, levels, step_fn, generat
         x, none = x0[::per].float()[:, None], torch.zeros(len(roots), 0)
         trunk = Rollout(x, none, none, None, x[:, :0] if opts.get("keep_mean") else None)
     segments, nfe, last = [], len(roots) * splits[0], trunk.states[:, -1]
+    wide = scaled_noise(step_fn, shape.split_noise)  # a split's draw (its noise × split_noise)
     for j, (s, end) in enumerate(zip(splits, [*splits[1:], m])):
         width = k ** (j + 1)  # nodes of depth j + 1 per tree
         children = last.repeat_interleave(k, 0)  # (P·width, …): each node's k children start from it
-        segments.append(paths(width, children, plan.sigmas[s : end + 1], levels[s:end]))
+        segments.append(paths(width, children, plan.sigmas[s : s + 2], levels[s : s + 1], wide))
+        if end > s + 1:  # each child's path on to the next split (the same draws as one segment)
+            segments.append(
+                paths(width, segments[-1].states[:, -1], plan.sigmas[s + 1 : end + 1], levels[s + 1 : end])
+            )
         last, nfe = segments[-1].states[:, -1], nfe + len(roots) * width * (end - s)
     ro = _tree_paths(trunk, segments, per)
 

@@ -1,5 +1,5 @@
 """The mutants of the tree rollouts, TreeGRPO and BranchGRPO (issue 60): the edge values, the edges each
-leaf trains, the children's starting states and BranchGRPO's per-depth normalisation."""
+leaf trains, the children's starting states, BranchGRPO's per-depth normalisation and its split noise."""
 
 from __future__ import annotations
 
@@ -33,5 +33,11 @@ MUTANTS = [
         'if shape.normalize == "depth":',
         'if shape.normalize == "none":',
         TESTS, "BranchGRPO's node values reach the loss without their per-depth z-score",
+    ),
+    Mutant(
+        "branch_split_noise_dropped", "plan", PLANS,
+        "wide = scaled_noise(step_fn, shape.split_noise)",
+        "wide = step_fn",
+        TESTS, "BranchGRPO's splits draw with the step's own noise, not 4 times it",
     ),
 ]  # fmt: skip
