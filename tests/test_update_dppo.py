@@ -307,3 +307,17 @@ def test_clipfrac_is_the_masked_fraction():
     )
     fraction = UPDATES["dppo"].clipfrac(**given, kl_mask_threshold=1e-5, add_kl_coefficient=True)
     assert fraction.item() == 0.5
+
+
+def test_the_skill_arm_is_the_preset_with_the_dppo_update_at_its_network_calls():
+    """The pre-registered arm (docs/benchmarks.md, "Flow-DPPO's claim") changes the update rule only and
+    runs the preset's 450 iterations: the old policy's means come from the rollout, no call more."""
+    from flowcredit.commands.bench_skill import SKILL_ARMS, SKILL_CLAIMS, nominal_calls
+    from flowcredit.presets import load_config
+
+    base = load_config("skill")
+    arm = load_config("skill", None, SKILL_ARMS["dppo"])
+    assert {k: v for k, v in vars(arm).items() if getattr(base, k) != v} == {"update": "dppo"}
+    assert nominal_calls(arm) == nominal_calls(base) and arm.iterations == 450
+    claim = ("skill-dppo", "Flow-DPPO: at least as good as Flow-GRPO at equal network calls", "noninferior")
+    assert claim in SKILL_CLAIMS

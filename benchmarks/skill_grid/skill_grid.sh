@@ -27,4 +27,4 @@ more=$("$PY" benchmarks/skill_grid/skill_grid_plan.py --straddling dense_euler1,
     --published "$PUBLISH") || { echo "skill_grid: no verdicts read; seeds 14-17 of the new arms skipped" >&2; more=; }
 if [ -n "$more" ]; then bench "$more" 14,15,16,17; fi
 bench mixgrpo,tempflow,egrpo,grpo_guard,nft_quarter,awm_quarter 10,11   # issue 39, on the CPU
-bench coca,flash,tree,branch,g2rpo,dgpo_quarter 10,11   # issue 60: claims pre-registered before any run
+bench coca,flash,tree,branch,g2rpo,dgpo_quarter,dppo 10,11   # issue 60: claims pre-registered before any run

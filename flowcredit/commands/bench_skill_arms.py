@@ -179,6 +179,7 @@ SKILL_ARMS = {
     "branch": lambda cfg: _equal_nfe(cfg, [*BRANCH, *SHARED]),
     "dgpo_quarter": lambda cfg: _equal_nfe(cfg, DGPO, 0.25),
     "g2rpo": lambda cfg: _equal_nfe(cfg, [*G2RPO, *SHARED]),
+    "dppo": ["--update", "dppo"],
 }
 """The arms beside the preset (Flow-GRPO credit, CPS): TP-GRPO credit at the same iterations and at
 the preset's NFE; DenseGRPO (Dance-SDE with ψ calibrated on the frozen base, then dense gains; the
@@ -213,4 +214,6 @@ leaves), the preset's CPS on the paths of steps 0–4, ODE after, values z-score
 pre-registered and not run yet. DGPO (``dgpo_quarter``): deterministic rollouts with the preset's CFG
 (as its code samples with CFG) and its group-preference update on the conditional velocity (as its
 code trains; 4 shared times, one optimizer step per iteration) at a quarter of the preset's network
-calls; pre-registered and not run yet."""
+calls; pre-registered and not run yet. Flow-DPPO (``dppo``): the preset with the divergence trust
+region in place of ratio clipping (``--update dppo`` at τ = 1e-5, the old policy's means from the
+rollout: no network call more, so the preset's 450 iterations); pre-registered and not run yet."""

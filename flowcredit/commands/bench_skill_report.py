@@ -39,6 +39,7 @@ SKILL_CLAIMS = (
     ("skill-branch", "BranchGRPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
     ("skill-dgpo_quarter", "DGPO reaches Flow-GRPO's score with 1/4 of its network calls", "noninferior"),
     ("skill-g2rpo", "G²RPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
+    ("skill-dppo", "Flow-DPPO: at least as good as Flow-GRPO at equal network calls", "noninferior"),
 )
 """(arm, the paper's claim as this grid can test it, rule of :func:`skill_verdict`)."""
 EQUIVALENCE = 0.02
@@ -66,6 +67,7 @@ ARM_NAMES = {
     "skill-branch": "BranchGRPO",
     "skill-dgpo_quarter": "DGPO at 1/4 of the network calls",
     "skill-g2rpo": "G²RPO",
+    "skill-dppo": "Flow-DPPO",
 }
 """What each arm is, as its verdicts name it: ``dense_euler1`` is a variant (one-step values, one ψ
 calibrated once and shared by every seed: bench.shared_psi), so "DenseGRPO" alone names ``dense``."""
