@@ -49,25 +49,52 @@ def _by_group(x: torch.Tensor, group: torch.Tensor, trained: torch.Tensor) -> to
     return x[:, trained][rows].transpose(1, 2)  # (P, K, G)
 
 
-def group_step_spearman(credit, delta, group, trained, constant_credit_is_zero: bool = True):
+def _owned(credit, delta, group, trained, owned, stat) -> torch.Tensor:
+    """``(P, K)`` of ``stat(a (g,), d (g,))`` over the members of each (group, step) that own the step's
+    transition (``owned (B, N)`` bool); NaN where fewer than 2 do."""
+    ids, steps = group.unique(), torch.nonzero(trained, as_tuple=True)[0]
+    out = torch.full((len(ids), len(steps)), torch.nan, dtype=torch.float64)
+    for p, g in enumerate(ids):
+        for j, k in enumerate(steps.tolist()):
+            rows = (group == g) & owned[:, k]
+            if int(rows.sum()) >= 2:
+                out[p, j] = stat(credit[rows, k].double()[None, None], delta[rows, k].double()[None, None])
+    return out
+
+
+def group_step_spearman(credit, delta, group, trained, constant_credit_is_zero: bool = True, owned=None):
     """``(P, K)`` Spearman's ρ between ``credit`` and ``delta`` over the members of each (group, step).
 
     A credit constant within a (group, step) orders nothing: ρ = 0 there with
     ``constant_credit_is_zero`` (a rule gets no credit for silence), NaN otherwise; a constant
-    ``delta`` gives NaN (nothing to order).
+    ``delta`` gives NaN (nothing to order). ``owned (B, N)`` bool: only the members that own the step's
+    transition count (a tree's: each transition once, on the first leaf below it; groups of any size).
     """
+    if owned is not None:
+        return _owned(credit, delta, group, trained, owned, lambda a, d: _rho(a, d, constant_credit_is_zero))
     a, d = _by_group(credit.double(), group, trained), _by_group(delta.double(), group, trained)
+    return _rho(a, d, constant_credit_is_zero)
+
+
+def _rho(a: torch.Tensor, d: torch.Tensor, zero: bool) -> torch.Tensor:
     rho = spearman(a, d)
-    if constant_credit_is_zero:
+    if zero:
         flat = (a == a[..., :1]).all(-1) & ~(d == d[..., :1]).all(-1)
         rho = torch.where(flat, torch.zeros_like(rho), rho)
     return rho
 
 
-def group_step_sign_agreement(credit, delta, group, trained) -> torch.Tensor:
+def group_step_sign_agreement(credit, delta, group, trained, owned=None) -> torch.Tensor:
     """``(P, K)`` fraction of the members whose credit pushes in ``Δ``'s direction
-    (``sign(credit) = sign(Δ)``), over the members where both are non-zero; NaN where none is."""
+    (``sign(credit) = sign(Δ)``), over the members where both are non-zero; NaN where none is.
+    ``owned``: as :func:`group_step_spearman`."""
+    if owned is not None:
+        return _owned(credit, delta, group, trained, owned, _agreement)
     a, d = _by_group(credit.double(), group, trained), _by_group(delta.double(), group, trained)
+    return _agreement(a, d)
+
+
+def _agreement(a: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     counted = (a != 0) & (d != 0)
     agree = ((a.sign() == d.sign()) & counted).sum(-1).double()
     n = counted.sum(-1).double()

@@ -111,8 +111,9 @@ def branch_grpo() -> Config:
     at η = 0.3 on every step but the last (``--ignore_last``), binary splits at 0, 1, 3, 4 (theirs 0, 3, 6,
     9 of 20 steps; 16 leaves = ``--num_generations 16``), node values the mean over their leaves, z-scored
     per depth (:mod:`flowcredit.tree_plans`), the splits' noise × 4 (``TREE_SPLIT_NOISE_SCALE``, the
-    schedule's ``split_noise``). Not taken: pruning, ``timestep_fraction`` 0.6 (every transition trains
-    here), lr 1e-5."""
+    schedule's ``split_noise``). Not taken: ``timestep_fraction`` 0.6 (every transition trains here), lr
+    1e-5; depth and width pruning are off in their script (``DEPTH_PRUNING=""``, ``WIDTH_PRUNING_MODE=0``)
+    and not built."""
     return Config(
         sampler="flow_sde",
         noise_level=0.3,

@@ -16,6 +16,9 @@
 # Every 20 s the small files (published JSON, tables, logs, metrics) go to $OUT/runs.tgz, so a call
 # cut off by its time limit still returns what finished. A dry run on the CPU:
 #   DEVICE=cpu QUICK=1 CONFIRM_SEEDS=0 PY=.venv/bin/python bash benchmarks/skill_grid/gpu_skill_grid.sh 0 2 nft_quarter,grpo_guard
+# Issue 60's arms, a first look (claims pre-registered in docs/benchmarks.md; Flow-GRPO's GPU seeds 10–11
+# are published, so 14 runs):
+#   bash benchmarks/skill_grid/gpu_skill_grid.sh 10,11 16 coca,flash,tree,branch,g2rpo,dgpo_quarter,dppo
 set -o pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/out}

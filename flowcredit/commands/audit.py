@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from flowcredit.run.rollout import noise_levels
     from flowcredit.run.runlog import provenance
     from flowcredit.run.session import build_reward, configure_network
+    from flowcredit.run.tree_audit import tree_audit_group
     from flowcredit.tasks.prompt_sets import load_prompt_set
 
     args, rest = _parser().parse_with_overrides(argv)
@@ -102,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     psi = read_psi(cfg.psi_path, cfg.num_steps) if cfg.psi_path else None
     levels, trained = noise_levels(cfg, psi)
     m = parse_m(args.m, mc_needed(levels))
-    rules = audit_rules(args.rules)
+    tree = _is_tree(cfg)
+    rules = _tree_rules(args.rules) if tree else audit_rules(args.rules)
+    grad_prompts = 0 if tree else args.grad_prompts  # a tree's rules: no gradient cosines
     metas = load_prompt_set(args.prompts, args.max_prompts, spread=True)
     model = load_model(cfg)
     if published is not None:
@@ -113,14 +116,18 @@ def main(argv: list[str] | None = None) -> int:
     (out / "groups").mkdir(parents=True, exist_ok=True)
     settings = {"preset": args.preset, "config": args.config, "prompts": args.prompts, "m": m.tolist()}
     settings |= {"n_prompts": len(metas), "group_size": cfg.group_size, "seed": args.seed, "rules": rules}
-    settings |= {"grad_prompts": min(args.grad_prompts, len(metas))}
+    settings |= {"grad_prompts": min(grad_prompts, len(metas))} | (
+        {"tree": cfg.step_schedule} if tree else {}
+    )
     settings |= {"sampler": cfg.sampler, "noise_level": cfg.noise_level, "levels": levels.tolist()}
     settings |= {"checkpoint": cfg.checkpoint, "model": cfg.model, "reward": cfg.reward}
     settings |= {"published": str(published)} if published is not None else {}
     t0, audits = time.time(), []
     for k, meta in enumerate(tqdm(metas, desc="audit", unit="prompt", dynamic_ncols=True)):
-        grads = k < args.grad_prompts
+        grads = k < grad_prompts
         compute = partial(audit_group, model, cfg, reward, [meta], rules, m, psi, args.seed, k, grads)
+        if tree:
+            compute = partial(tree_audit_group, model, cfg, reward, [meta], int(m.max()), args.seed, k)
         add = partial(
             add_rules, model, cfg, reward, [meta], rules, psi=psi, seed=args.seed, index=k, grads=grads
         )
@@ -154,7 +161,9 @@ def _group(out: Path, k: int, settings: dict, compute, grads: bool, add=None):
             t = load_file(str(path))
             credit = {name: t[f"credit.{name}"] for name in meta["nfe"]}
             cosine = meta.get("cosine", {})
-            a = GroupAudit(t["completions"], credit, meta["nfe"], meta["mc_nfe"], t["trained"], cosine)
+            a = GroupAudit(
+                t["completions"], credit, meta["nfe"], meta["mc_nfe"], t["trained"], cosine, t.get("owned")
+            )
             if set(credit) == set(settings["rules"]):
                 return a
             a = add(a)
@@ -163,6 +172,25 @@ def _group(out: Path, k: int, settings: dict, compute, grads: bool, add=None):
     a = compute()
     _store(path, meta_path, settings, a)
     return a
+
+
+def _is_tree(cfg) -> bool:
+    """Whether ``cfg``'s step schedule grows trees (its plan at iteration 0)."""
+    from flowcredit.run.plans import iteration_plan
+    from flowcredit.schedule import sigmas
+
+    return iteration_plan(cfg, sigmas(cfg.num_steps, cfg.shift), 0).tree is not None
+
+
+def _tree_rules(names: str) -> dict:
+    """The tree audit's rules (:data:`flowcredit.run.tree_audit.TREE_RULES`) as settings; only ``all``."""
+    from flowcredit.run.tree_audit import TREE_RULES
+
+    if names != "all":
+        raise ConfigError(
+            "rules", f"a tree plan is audited with its own rules {list(TREE_RULES)}: --rules all"
+        )
+    return {name: list(shape or ("own leaf",)) for name, shape in TREE_RULES.items()}
 
 
 def _keep_history(path: Path, report: dict) -> dict:
@@ -194,6 +222,7 @@ def _store(path: Path, meta_path: Path, settings: dict, a) -> None:
     from safetensors.torch import save_file
 
     tensors = {"completions": a.completions, "trained": a.trained}
+    tensors |= {"owned": a.owned.contiguous()} if a.owned is not None else {}
     tensors |= {f"credit.{name}": c.contiguous() for name, c in a.credit.items()}
     save_file(tensors, str(path.with_suffix(".tmp")))
     path.with_suffix(".tmp").replace(path)

@@ -64,7 +64,9 @@ def audit_rules(names: str = "all") -> dict[str, list[str]]:
 class GroupAudit:
     """One prompt group's audit: ``completions (G, N + 1, M)`` rewards, ``credit {rule: (G, N)}``,
     the rules' value calls per trajectory ``nfe {rule: float}``, the Monte-Carlo calls per trajectory
-    ``mc_nfe``, ``trained (N,)``; ``cosine {rule: float}`` where the gradients were computed."""
+    ``mc_nfe``, ``trained (N,)``; ``cosine {rule: float}`` where the gradients were computed; ``owned
+    (G, N)`` bool, a tree's (:mod:`flowcredit.run.tree_audit`): the trajectory that owns each transition
+    (shared ones counted once)."""
 
     completions: torch.Tensor
     credit: dict[str, torch.Tensor]
@@ -72,6 +74,7 @@ class GroupAudit:
     mc_nfe: float
     trained: torch.Tensor
     cosine: dict[str, float] = dataclasses.field(default_factory=dict)
+    owned: torch.Tensor | None = None
 
 
 def mc_needed(levels: torch.Tensor) -> torch.Tensor:
@@ -311,16 +314,15 @@ def summarise(audits: list[GroupAudit], categories: list[str] | None = None) -> 
         split_halves,
     )
 
-    trained = audits[0].trained
     rho, sign, half_rho, half_sign = {}, {}, [], []
-    for a in audits:
-        group = torch.zeros(a.completions.shape[0], dtype=torch.long)
+    for a in audits:  # a tree's trained steps may differ between groups (TreeGRPO's drawn start): K each
+        group, trained, owned = torch.zeros(a.completions.shape[0], dtype=torch.long), a.trained, a.owned
         delta, (d_a, d_b) = mc_delta(a.completions), split_halves(a.completions)
-        half_rho.append(group_step_spearman(d_a, d_b, group, trained, constant_credit_is_zero=False))
-        half_sign.append(group_step_sign_agreement(d_a, d_b, group, trained))
+        half_rho.append(group_step_spearman(d_a, d_b, group, trained, False, owned))
+        half_sign.append(group_step_sign_agreement(d_a, d_b, group, trained, owned))
         for name, credit in a.credit.items():
-            rho.setdefault(name, []).append(group_step_spearman(credit, delta, group, trained))
-            sign.setdefault(name, []).append(group_step_sign_agreement(credit, delta, group, trained))
+            rho.setdefault(name, []).append(group_step_spearman(credit, delta, group, trained, True, owned))
+            sign.setdefault(name, []).append(group_step_sign_agreement(credit, delta, group, trained, owned))
     half = _summary(torch.cat(half_rho))
     reliability = spearman_brown(torch.tensor(half["per_step"], dtype=torch.float64))
     ceiling = reliability.clamp_min(0).sqrt()
@@ -331,8 +333,10 @@ def summarise(audits: list[GroupAudit], categories: list[str] | None = None) -> 
         )
         for name in (with_grads[0] if with_grads else {})
     }
-    report = {
-        "steps": torch.nonzero(trained, as_tuple=True)[0].tolist(),
+    steps = {tuple(torch.nonzero(a.trained, as_tuple=True)[0].tolist()) for a in audits}
+    report = {  # trained steps that differ between groups (TreeGRPO's): "step k" is each one's k-th
+        "steps": list(steps.pop()) if len(steps) == 1 else list(range(len(next(iter(steps))))),
+        "steps_by_position": len(steps) > 1,
         "gradient_cosine": cosines,
         "ceiling": {
             "half_spearman": half,
