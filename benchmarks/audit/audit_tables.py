@@ -51,8 +51,10 @@ def paired(rule: dict) -> tuple[str, str]:
 
 def checkpoint_table(report: dict) -> str:
     """One checkpoint's table: ρ per step (± 95 % over prompts), pooled, paired, sign, value calls."""
-    steps = report["steps"]
-    head = ["rule", *(f"step {s}" for s in steps), "pooled", "− Flow-GRPO (paired)", "sign agreement"]
+    steps = report["steps"]  # by position (a TreeGRPO tree's drawn steps): the k-th trained step
+    label = "trained step {}" if report.get("steps_by_position") else "step {}"
+    head = ["rule", *(label.format(s + bool(report.get("steps_by_position"))) for s in steps)]
+    head += ["pooled", "− Flow-GRPO (paired)", "sign agreement"]
     lines = ["| " + " | ".join([*head, "value calls / trajectory"]) + " |", "|---" * (len(head) + 1) + "|"]
     for name, rule in report["rules"].items():
         rho = rule["spearman"]

@@ -234,7 +234,9 @@ def _store(path: Path, meta_path: Path, settings: dict, a) -> None:
 def format_report(report: dict) -> str:
     """The audit as a table: per rule, ρ with Δ̂ per trained step and pooled (± 95 % over prompts)."""
     steps, ceiling = report["steps"], report["ceiling"]
-    head = f"{'rule':<16}" + "".join(f"  step {s:<8}" for s in steps) + "  pooled        sign   calls"
+    mark = "#" if report.get("steps_by_position") else ""  # step #k: each group's k-th trained step
+    head = f"{'rule':<16}" + "".join(f"  step {mark}{s:<{8 - len(mark)}}" for s in steps)
+    head += "  pooled        sign   calls"
     lines = ["Spearman's rho of each rule's credit with the Monte-Carlo step effect (within a group)", head]
     for name, r in report["rules"].items():
         rho = r["spearman"]
@@ -269,7 +271,9 @@ def plot_audit(report: dict, path: Path) -> None:
         ax.errorbar(x, rho["per_step"], yerr=rho["per_step_interval"], marker="o", capsize=2, label=name)
     ax.plot(steps, report["ceiling"]["spearman_ceiling"], "k--", label="noise ceiling")
     ax.axhline(0, color="grey", lw=0.6)
-    ax.set_xlabel("denoising step")
+    ax.set_xlabel(
+        "trained step (its position in each tree)" if report.get("steps_by_position") else "denoising step"
+    )
     ax.set_ylabel("Spearman ρ with the step's effect")
     ax.set_xticks(steps)
     ax.grid(alpha=0.3)
