@@ -204,3 +204,21 @@ def test_train_guidance_scale_is_for_forward_rules():
         load_config("flow_grpo", None, ["--train_guidance_scale", "1"])
     with pytest.raises(ConfigError, match="train_guidance_scale"):
         load_config("dgpo", None, ["--train_guidance_scale", "-1"])
+
+
+def test_guidance_at_sets_and_restores():
+    """``guidance_at``: a weight (0 included: Z-Image's "no CFG", which ``flowcredit eval --cfg 0``
+    asks for) inside the block, ``None`` leaves the model's, restored after an error too."""
+    from types import SimpleNamespace
+
+    from flowcredit.models.protocol import guidance_at
+
+    model = SimpleNamespace(guidance_scale=4.5)
+    with guidance_at(model, 0.0):
+        assert model.guidance_scale == 0.0
+    with guidance_at(model, None):
+        assert model.guidance_scale == 4.5
+    with pytest.raises(RuntimeError), guidance_at(model, 1.0):
+        assert model.guidance_scale == 1.0
+        raise RuntimeError
+    assert model.guidance_scale == 4.5

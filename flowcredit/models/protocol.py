@@ -180,10 +180,10 @@ class FlowModelBase:
 
 @contextmanager
 def guidance_at(model: FlowModel, scale: float | None) -> Iterator[None]:
-    """``model.guidance_scale`` set to ``scale`` inside the block and restored after (``None`` or 0:
-    left as it is); ``model.guidance_passes`` inside counts its calls."""
+    """``model.guidance_scale`` set to ``scale`` inside the block and restored after (``None``: left as
+    it is; 0 is a weight, Z-Image's "no CFG"); ``model.guidance_passes`` inside counts its calls."""
     saved = model.guidance_scale
-    if scale:
+    if scale is not None:
         model.guidance_scale = float(scale)
     try:
         yield

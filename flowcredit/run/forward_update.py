@@ -49,7 +49,7 @@ def forward_update(s, ro, adv, prompts, group, keep, rows, iteration: int) -> di
     if "group" in rule.needs:  # whole groups per micro-batch
         size = -(-size // cfg.group_size) * cfg.group_size
     stats = UpdateStats(("loss/policy", "loss/kl"))
-    with guidance_at(model, cfg.train_guidance_scale):
+    with guidance_at(model, cfg.train_guidance_scale or None):  # 0: the sampling guidance
         passes = model.guidance_passes
         for _ in range(cfg.inner_epochs):
             order = torch.randperm(len(draws), generator=gen).tolist()
