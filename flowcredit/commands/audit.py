@@ -9,6 +9,8 @@ results go to ``OUT/groups/`` as it finishes, so an interrupted audit resumes wh
 
     flowcredit audit --max-prompts 16                  # the quick audit of the built-in model
     flowcredit audit --model sd3 --checkpoint DIR --reward pickscore --prompts my.jsonl --m 16
+    flowcredit audit --preset tree_grpo --max-prompts 16   # a tree plan: its edges, the tree rules
+                                                           # (flowcredit.run.tree_audit)
 
 Cost: states × M × remaining steps network calls per trajectory (× 2 with CFG): ``M · 40`` on the
 ``skill`` preset (SDE steps 0–4 of 10), about 60 s per prompt group of 12 at M = 32 on 2 CPU cores.
@@ -31,7 +33,8 @@ def _parser() -> ArgParser:
     p = ArgParser(
         prog="flowcredit audit",
         description="Audit every credit rule against Monte-Carlo step effects; the config fields below "
-        "override the preset's (e.g. --group_size 8 --noise_level 0.5).",
+        "override the preset's (e.g. --group_size 8 --noise_level 0.5). A step schedule that grows trees "
+        "(--preset tree_grpo, branch_grpo) is audited edge by edge with the tree rules.",
     )
     p.add_argument("--preset", default="skill", help="the sampler, reward and model settings (default skill)")
     p.add_argument(
