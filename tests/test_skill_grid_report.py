@@ -153,6 +153,7 @@ def test_the_confirmation_set_gets_a_section_of_its_own(tmp_path, monkeypatch):
     assert rep["confirm"]["paired"]["skill-tp"]["diff"]["strict/overall"][0] == pytest.approx(-0.05)
     text = (tmp_path / "table.md").read_text().split("## The confirmation set")[1]
     assert "Base checkpoint: strict 0.100" in text and "| skill-tp | 11 | -0.050 (one seed)" in text
+    assert "| skill-tp | 11,12 | +0.125 ± " in text  # over the base, every seed scored (0.15, 0.3 − 0.1)
     records["base-heldout"].pop("confirm")
     (tmp_path / "runs" / "base-heldout.json").write_text(json.dumps(records["base-heldout"]))
     report.main()

@@ -204,7 +204,20 @@ def confirm_lines(rep: dict) -> list[str]:
         "## The confirmation set (300 prompts × 4 samples × noise seeds 7001, 7002; docs/benchmarks.md)",
         "",
         f"Base checkpoint: strict {base['overall']:.3f} (per image {base['per_image']:.3f}). Only runs",
-        "scored on it count (published with their weights), paired with Flow-GRPO at the same seed.",
+        "scored on it count (published with their weights). Change over the base, every arm scored (not",
+        "a comparison: an arm without Flow-GRPO's same seeds scored here has no paired row below):",
+        "",
+        "| " + " | ".join(["arm", "seeds", "strict − base", "soft − base", "strict per image", *cats]) + " |",
+        "|" + "---|" * (5 + len(cats)),
+    ]
+    for arm, a in rep["arms"].items():
+        ch, parts = a["change_from_base"], a["change_by_part"]
+        row = [arm, ",".join(map(str, a["seeds"])), _cell(ch["strict"]), _cell(ch["soft"])]
+        row += [_cell(parts["strict/per_image"]), *(_cell(parts[f"strict/{c}"]) for c in cats)]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "Paired with Flow-GRPO at the same seed:",
         "",
         "| " + " | ".join(["arm", "seeds", "strict", "strict per image", *cats]) + " |",
         "|" + "---|" * (4 + len(cats)),
