@@ -137,11 +137,7 @@ def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
     ]
     head = ["arm", "seeds", "strict − base", "soft − base", "strict per image", *CATEGORIES]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for arm, a in rep["arms"].items():
-        ch, parts = a["change_from_base"], a["change_by_part"]
-        row = [_label(arm, rep), ",".join(map(str, a["seeds"])), _cell(ch["strict"]), _cell(ch["soft"])]
-        row += [_cell(parts["strict/per_image"]), *(_cell(parts[f"strict/{c}"]) for c in CATEGORIES)]
-        lines.append("| " + " | ".join(row) + " |")
+    lines += change_rows(rep["arms"], CATEGORIES, lambda arm: _label(arm, rep))
     lines += ["", "## Paired differences to Flow-GRPO (`skill`), same seeds", ""]
     head = ["arm", "seeds", "strict", "soft", "strict per image", *CATEGORIES]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -158,6 +154,18 @@ def table(rep: dict, gpu: bool = False, times: dict | None = None) -> str:
     if "confirm" in rep:
         lines += ["", *confirm_lines(rep["confirm"])]
     return "\n".join(lines) + "\n"
+
+
+def change_rows(arms: dict, categories, label) -> list[str]:
+    """One table row per arm: its seeds, strict and soft change over the base, per image and per
+    category (``label(arm)`` names the arm)."""
+    rows = []
+    for arm, a in arms.items():
+        ch, parts = a["change_from_base"], a["change_by_part"]
+        row = [label(arm), ",".join(map(str, a["seeds"])), _cell(ch["strict"]), _cell(ch["soft"])]
+        row += [_cell(parts["strict/per_image"]), *(_cell(parts[f"strict/{c}"]) for c in categories)]
+        rows.append("| " + " | ".join(row) + " |")
+    return rows
 
 
 def verdict_lines(rep: dict) -> list[str]:
@@ -210,11 +218,7 @@ def confirm_lines(rep: dict) -> list[str]:
         "| " + " | ".join(["arm", "seeds", "strict − base", "soft − base", "strict per image", *cats]) + " |",
         "|" + "---|" * (5 + len(cats)),
     ]
-    for arm, a in rep["arms"].items():
-        ch, parts = a["change_from_base"], a["change_by_part"]
-        row = [arm, ",".join(map(str, a["seeds"])), _cell(ch["strict"]), _cell(ch["soft"])]
-        row += [_cell(parts["strict/per_image"]), *(_cell(parts[f"strict/{c}"]) for c in cats)]
-        lines.append("| " + " | ".join(row) + " |")
+    lines += change_rows(rep["arms"], cats, str)
     lines += [
         "",
         "Paired with Flow-GRPO at the same seed:",
