@@ -82,6 +82,14 @@ def test_the_grid_report_writes_its_table_json_and_figure(tmp_path, monkeypatch)
     ratios = [report.time_ratio(arm, times) for arm in ("skill", "skill-tp", "skill-dense")]
     assert ratios == ["1.00×", "2.10×", ""]
     assert report.time_ratio("skill-tp", times, 1 / 3) == "2.10× (0.70× per run)"
+    later = {"date": "2026-12-06", "cpu": {"model": "AMD EPYC"}, "threads": 2}
+    times["later"] = [later | {"arms": {"skill": 4.0, "coca": 5.0, "tp": 4.0}}]  # skill_rate.py --later
+    assert report.time_ratio("skill-coca", times) == "1.25×"  # its own run's ratio
+    assert report.time_ratio("skill-tp", times) == "2.10×"  # timed first: the first run's stands
+    cost = {"n": 2, "nfe_per_iteration": 1816, "train_nfe": 817200, "calibration_nfe": 0, "cpu_minutes": 70}
+    table = report.cost_table({"skill-coca": cost}, False, times)
+    assert "| skill-coca | 2 | 1,816 | 817,200 | 0 | 1.25× | 70 |" in table
+    assert "in a run of their own (2026-12-06, AMD EPYC, 2 threads): `coca`." in "\n".join(table)
     assert rep["paired"]["skill-tp"]["diff"]["strict/overall"][0] == pytest.approx(0.06)
     assert "| skill-tp | 10 | +0.060 (one seed)" in (tmp_path / "table.md").read_text()
     assert "Finished and evaluated: skill-seed10, skill-tp-seed10." in (tmp_path / "table.md").read_text()

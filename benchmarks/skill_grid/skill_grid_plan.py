@@ -40,6 +40,18 @@ def grid_runs(script: Path) -> list[tuple[str, str]]:
     return runs
 
 
+def timed_seconds(times: dict) -> dict[str, float]:
+    """Seconds of one iteration per arm from ``iteration_times.json`` (``benchmarks/speed/skill_rate.py
+    --arms --out``): its ``arms``, one side-by-side run, then the arms of each of its ``later`` runs
+    (``skill_rate.py --arms --later``) not timed before, scaled by the first run's ``skill`` seconds ÷
+    that run's, so that every arm's ratio to Flow-GRPO is the one of the run that timed it."""
+    seconds = dict(times.get("arms", {}))
+    for run in times.get("later", []):
+        scale = seconds["skill"] / run["arms"]["skill"]
+        seconds |= {arm: s * scale for arm, s in run["arms"].items() if arm not in seconds}
+    return seconds
+
+
 def run_state(name: str, places: list[Path], published: Path) -> tuple[int | None, str]:
     """``(iteration of the newest checkpoint or None, where)``; ``"published"`` when the run's JSON is."""
     if (published / f"{name}.json").is_file():
@@ -127,7 +139,7 @@ def main() -> None:
     worktree_runs = Path(args.worktree) / "runs" / "skill_compare" / "runs"
     places = [worktree_runs, RESULTS / "inflight"]
     timed_file = RESULTS / "iteration_times.json"
-    timed = json.loads(timed_file.read_text()).get("arms", {}) if timed_file.is_file() else {}
+    timed = timed_seconds(json.loads(timed_file.read_text())) if timed_file.is_file() else {}
     speed = seconds_per_iteration(median_seconds(places), timed)
     eval_min = evaluation_minutes(worktree_runs)
     print("| run | state | iterations | s per iteration | hours left |\n|---|---|---|---|---|")

@@ -24,6 +24,7 @@ from flowcredit.tasks.shapes import CATEGORIES, load_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the figures, beside this script
 import skill_grid_figures as figures  # noqa: E402
+from skill_grid_plan import timed_seconds  # noqa: E402
 
 
 def _cell(mean_half) -> str:
@@ -77,10 +78,11 @@ def progress(out: Path) -> list[str]:
 
 def time_ratio(arm: str, times: dict, iterations: float = 1.0) -> str:
     """``arm``'s seconds per iteration ÷ Flow-GRPO's (``skill``), from ``skill_rate.py --arms --out``
-    (``times["arms"]``: one iteration of each arm, timed side by side), and per run (× ``iterations``,
-    the arm's iterations ÷ Flow-GRPO's) where that differs; "" where it was not timed."""
+    (one iteration of each arm, timed side by side with Flow-GRPO's in one run: ``timed_seconds``), and
+    per run (× ``iterations``, the arm's iterations ÷ Flow-GRPO's) where that differs; "" where it was
+    not timed."""
     name = arm.removeprefix("skill-")  # "skill" stays "skill"
-    arms = times.get("arms", {})
+    arms = timed_seconds(times)
     if name not in arms or "skill" not in arms:
         return ""
     ratio = arms[name] / arms["skill"]
@@ -120,6 +122,14 @@ def cost_table(costs: dict, gpu: bool, times: dict, rep: dict | None = None) -> 
             f"side in one run (`benchmarks/speed/skill_rate.py --arms`, best of its repeats; {cpu},",
             f"{threads} threads, `iteration_times.json`): the time ratio on a quiet machine.",
         ]
+        seen = set(times["arms"])
+        for run in times.get("later", []):
+            arms = ", ".join(f"`{arm}`" for arm in run["arms"] if arm not in seen)
+            seen |= set(run["arms"])
+            lines += [
+                f"Timed later, beside Flow-GRPO's iteration in a run of their own ({run['date']}, "
+                f"{run['cpu']['model']}, {run['threads']} threads): {arms}."
+            ]
     return lines
 
 

@@ -221,6 +221,9 @@ def main() -> None:
     p.add_argument(
         "--arms", default="", help="also time these arms of the skill comparison, e.g. dense_euler1"
     )
+    p.add_argument(
+        "--later", default=None, help="with --arms: add them as one more run to this --out file's `later`"
+    )
     p.add_argument("--profile", action="store_true", help="also profile one composed iteration by operator")
     p.add_argument("--upsample", action="store_true", help="also time F.interpolate against upsample2x")
     args = p.parse_args()
@@ -269,6 +272,22 @@ def main() -> None:
     optional_sections(args, profiled if args.profile else [], out)
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    if args.later:
+        add_later_run(Path(args.later), out)
+
+
+def add_later_run(path: Path, out: dict) -> None:
+    """Append this run's ``--arms`` (with ``skill`` timed beside them), its CPU, threads and date to the
+    ``later`` runs of an earlier ``--out`` file (``benchmarks/skill_grid/skill_grid_plan.py``
+    ``timed_seconds`` reads them), so that arms added to the grid later are timed without re-timing
+    the published ones: each ratio to Flow-GRPO stays one run's."""
+    if "arms" not in out:
+        raise SystemExit("--later needs --arms: the arms to add, timed beside Flow-GRPO's iteration")
+    times = json.loads(path.read_text())
+    run = {"date": time.strftime("%Y-%m-%d"), "cpu": out["cpu"], "threads": out["threads"]}
+    run["arms"] = out["arms"]
+    times.setdefault("later", []).append(run)
+    path.write_text(json.dumps(times, indent=1) + "\n")
 
 
 if __name__ == "__main__":
