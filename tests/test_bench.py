@@ -81,7 +81,7 @@ def _args(**kw):
     base = dict(
         presets="flow_grpo,dense_grpo,stepwise_grpo,tp_grpo", quick=True, ablations=False, task="demo"
     )
-    return argparse.Namespace(**{**base, "minutes": 0.0, "iterations": None, **kw})
+    return argparse.Namespace(**{**base, "minutes": 0.0, "iterations": None, "jobs": 1, **kw})
 
 
 def test_ablations_and_budgets_are_planned():

@@ -16,7 +16,9 @@ def _args(**kw):
     base = dict(
         presets="flow_grpo,dense_grpo,stepwise_grpo,tp_grpo", quick=True, ablations=False, task="demo"
     )
-    return argparse.Namespace(**{**base, "minutes": 0.0, "iterations": None, "no_cheap": False, **kw})
+    return argparse.Namespace(
+        **{**base, "minutes": 0.0, "iterations": None, "no_cheap": False, "jobs": 1, **kw}
+    )
 
 
 def test_cheap_value_rows_sit_beside_their_presets():
@@ -73,6 +75,19 @@ def test_one_psi_for_every_calibrating_cell(tmp_path, monkeypatch):
     mixed[1] = mixed[1] | {"overrides": mixed[1]["overrides"] + ["--calib_groups", "3"]}
     with pytest.raises(UserError, match="calibrate differently"):
         bench.shared_psi(mixed, tmp_path / "other")
+
+
+def test_parallel_cpu_runs_split_the_threads_unless_told():
+    def threads(jobs, rest):
+        cells = bench.plan_cells(_args(presets="flow_grpo", no_cheap=True, jobs=jobs), rest)
+        return [load_config(c["preset"], None, c["overrides"]).threads for c in cells]
+
+    assert threads(1, []) == [2]  # the config's default
+    assert threads(2, []) == [1]
+    assert threads(3, []) == [1]  # never below one
+    assert threads(2, ["--threads", "4"]) == [4]
+    assert threads(2, ["--threads", "2"]) == [2]  # named: kept as given
+    assert threads(2, ["--device", "cuda"]) == [2]  # a GPU run's threads are the user's
 
 
 def test_parallel_runs_and_report_only(tmp_path):
