@@ -34,7 +34,13 @@ def test_nominal_nfe_by_hand():
 
 def test_the_arms_are_the_preset_with_one_change():
     args = argparse.Namespace(
-        presets="skill", task="skill", minutes=0, iterations=None, quick=False, ablations="tp,tp_equal_nfe"
+        presets="skill",
+        task="skill",
+        minutes=0,
+        iterations=None,
+        quick=False,
+        jobs=1,
+        ablations="tp,tp_equal_nfe",
     )
     cells = {c["name"]: c for c in plan_cells(args, [])}
     assert list(cells) == ["skill", "skill-tp", "skill-tp_equal_nfe"]
@@ -156,7 +162,7 @@ def test_a_published_run_is_not_trained_again(tmp_path):
     from flowcredit.commands.bench_skill import published as _published
 
     args = argparse.Namespace(
-        presets="skill", task="skill", minutes=0, iterations=None, quick=False, ablations="tp"
+        presets="skill", task="skill", minutes=0, iterations=None, quick=False, jobs=1, ablations="tp"
     )
     cell = plan_cells(args, [])[0]
     assert not _published(tmp_path, cell, 10)
@@ -176,7 +182,13 @@ def test_a_published_run_must_have_trained_with_the_benchs_psi(tmp_path):
     psi_path = tmp_path / "psi.json"
     psi_path.write_text(json.dumps({"psi": [1.5, 0.75, 0.0]}))
     args = argparse.Namespace(
-        presets="skill", task="skill", minutes=0, iterations=None, quick=False, ablations="dense_euler1"
+        presets="skill",
+        task="skill",
+        minutes=0,
+        iterations=None,
+        quick=False,
+        jobs=1,
+        ablations="dense_euler1",
     )
     cell = next(c for c in plan_cells(args, []) if c["name"] == "skill-dense_euler1")
     plain = dict(cell)
