@@ -32,16 +32,15 @@ def test_nominal_nfe_by_hand():
     assert nominal_nfe(load_config("skill", None, two_steps)) == 20 + 5 * 2
 
 
-def test_the_arms_are_the_preset_with_one_change():
-    args = argparse.Namespace(
-        presets="skill",
-        task="skill",
-        minutes=0,
-        iterations=None,
-        quick=False,
-        jobs=1,
-        ablations="tp,tp_equal_nfe",
+def _skill_args(ablations: str) -> argparse.Namespace:
+    """``flowcredit bench --task skill --presets skill --ablations ABLATIONS``, as its parser gives them."""
+    return argparse.Namespace(
+        presets="skill", task="skill", minutes=0, iterations=None, quick=False, jobs=1, ablations=ablations
     )
+
+
+def test_the_arms_are_the_preset_with_one_change():
+    args = _skill_args("tp,tp_equal_nfe")
     cells = {c["name"]: c for c in plan_cells(args, [])}
     assert list(cells) == ["skill", "skill-tp", "skill-tp_equal_nfe"]
     base = load_config("skill", None, cells["skill"]["overrides"])
@@ -161,9 +160,7 @@ def test_a_published_run_is_not_trained_again(tmp_path):
 
     from flowcredit.commands.bench_skill import published as _published
 
-    args = argparse.Namespace(
-        presets="skill", task="skill", minutes=0, iterations=None, quick=False, jobs=1, ablations="tp"
-    )
+    args = _skill_args("tp")
     cell = plan_cells(args, [])[0]
     assert not _published(tmp_path, cell, 10)
     (tmp_path / "skill-seed10.json").write_text(json.dumps({"summary": {"iterations": 200}, "heldout": {}}))
@@ -181,15 +178,7 @@ def test_a_published_run_must_have_trained_with_the_benchs_psi(tmp_path):
 
     psi_path = tmp_path / "psi.json"
     psi_path.write_text(json.dumps({"psi": [1.5, 0.75, 0.0]}))
-    args = argparse.Namespace(
-        presets="skill",
-        task="skill",
-        minutes=0,
-        iterations=None,
-        quick=False,
-        jobs=1,
-        ablations="dense_euler1",
-    )
+    args = _skill_args("dense_euler1")
     cell = next(c for c in plan_cells(args, []) if c["name"] == "skill-dense_euler1")
     plain = dict(cell)
     cell = cell | {"overrides": cell["overrides"] + ["--calibrate", "false", "--psi_path", str(psi_path)]}
