@@ -102,8 +102,17 @@ def test_a_bench_start_scores_what_was_published_without_the_confirmation_set(tm
     heldout = {"seeds": [7001, 7002], "sample_prompts": ["p"] * (86 * 16)}
     (dest / "base-heldout.json").write_text(json.dumps({"run": "base-heldout", "heldout": heldout}))
     _published(dest, "skill-seed14", weights=True)
-    args = argparse.Namespace(presets="skill", task="skill", minutes=0, iterations=None, quick=False, jobs=1)
-    args = argparse.Namespace(**vars(args), ablations="", report_only=False, publish=str(dest))
+    args = argparse.Namespace(
+        presets="skill",
+        task="skill",
+        minutes=0,
+        iterations=None,
+        quick=False,
+        jobs=1,
+        ablations="",
+        report_only=False,
+        publish=str(dest),
+    )
     after_run(args, plan_cells(args, []), tmp_path / "out")
     assert [_flags(a)["--prompts"] for a in evals] == ["confirm"] * 2  # the held-out base is not recomputed
     record = json.loads((dest / "base-heldout.json").read_text())
