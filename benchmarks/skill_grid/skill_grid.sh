@@ -35,6 +35,7 @@ bench coca 12,13   # its mean at n = 2 was at least −0.01 (+0.006): seeds 12�
 bench dppo 12,13   # its mean at n = 2 was at least −0.01 (+0.006): seeds 12–13 by the rule
 bench g2rpo 12,13   # its mean at n = 2 was at least −0.01 (−0.0096): seeds 12–13 by the rule
 bench tree 12,13   # its mean at n = 2 was at least −0.01 (−0.002): seeds 12–13 by the rule
+bench branch 12,13   # its mean at n = 2 was at least −0.01 (+0.016): seeds 12–13 by the rule
 bench dense_euler1_cps,dance_psi 10,11   # which of dense_euler1's two changes costs the score
 bench tp 14,15,16,17
 # seeds 14–17 for each new arm whose primary verdict is still inconclusive at n = 4 (issue 37's rule)
