@@ -3,7 +3,8 @@
 # DenseGRPO with one-step values ×4, Stepwise ×4, TP-GRPO at equal NFE seed 13, DenseGRPO with ODE
 # values ×4 (issue 56: first), then issue 60's methods ×2, one arm's two seeds after the other, cheapest
 # first (claims pre-registered in docs/benchmarks.md; moved ahead on 2026-12-06, session 27, once issue 56
-# closed: they are the open issue's last item), then DenseGRPO's credit rule and its sampler apart ×2,
+# closed: they are the open issue's last item) and seeds 12–13 of each whose mean at n = 2 was at least
+# −0.01 (the rule fixed with their claims), then DenseGRPO's credit rule and its sampler apart ×2,
 # seeds 14–17 (Flow-GRPO, TP-GRPO, and each new arm still inconclusive), then the newer methods ×2 as a
 # CPU cross-check (issue 39: their first look ran on a GPU on 2026-12-04,
 # benchmarks/results/skill_compare_gpu; GPU and CPU runs are never pooled). Resumable: finished runs
